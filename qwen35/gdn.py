@@ -1,0 +1,343 @@
+"""Gated DeltaNet: the gated delta rule (recurrent, chunked, single-step), the causal conv1d with its state, and
+the `GatedDeltaNet` layer with the checkpoint's parameter names.
+
+Layouts (heads already expanded to the value heads, as the layer does with repeat-interleave):
+  q, k  [B, T, H, Dk]      v  [B, T, H, Dv]      g, beta  [B, T, H]      state  [B, H, Dk, Dv] float32
+
+The rule, for each token t (S is the state, g_t ≤ 0 the log-decay, beta_t ∈ (0, 1) the write strength):
+  S ← exp(g_t) S;   u = Sᵀ k_t;   S ← S + k_t (beta_t (v_t − u))ᵀ;   o_t = Sᵀ q_t
+
+Everything inside the rule runs in float32 (decays compound; see notebook 02). Outputs come back in q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35.config import Qwen35Config
+from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNormGated
+
+__all__ = [
+    "l2norm",
+    "recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule",
+    "gated_delta_rule_step",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "GDNState",
+    "GatedDeltaNet",
+    "gdn_flops",
+]
+
+
+def l2norm(x: jax.Array, axis: int = -1, eps: float = 1e-6) -> jax.Array:
+    """x · rsqrt(Σx² + eps), the fixed-eps form of the FLA library and transformers."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=axis, keepdims=True) + eps)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Input checks: bad shapes fail here, naming the tensors, not deep inside an einsum.
+def _check(q, k, v, g, beta, initial_state, *, step: bool = False):
+    lead = 2 if step else 3  # [B, H] or [B, T, H]
+    names = "[B, H, D]" if step else "[B, T, H, D]"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != lead + 1:
+            raise ValueError(f"{name} must be {names}, got shape {tuple(x.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.ndim != lead:
+            raise ValueError(f"{name} must be {names[:-4] + ']'}, got shape {tuple(x.shape)}")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if v.shape[:-1] != q.shape[:-1]:
+        raise ValueError(
+            f"v {tuple(v.shape)} must match q {tuple(q.shape)} in all but the last (head-dim) axis; "
+            f"expand the key heads to the value heads first (repeat-interleave)"
+        )
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != q.shape[:-1]:
+            raise ValueError(f"{name} {tuple(x.shape)} must have shape {tuple(q.shape[:-1])} (q without its head dim)")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+    B, H, Dk, Dv = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+    if initial_state is not None and tuple(initial_state.shape) != (B, H, Dk, Dv):
+        raise ValueError(f"initial_state must be [B, H, Dk, Dv] = {(B, H, Dk, Dv)}, got {tuple(initial_state.shape)}")
+
+
+def _prep_qk(q, k, scale, use_qk_l2norm):
+    q = q.astype(jnp.float32)
+    k = k.astype(jnp.float32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k
+
+
+def _delta_step(S, q_t, k_t, v_t, g_t, b_t):
+    """One token of the gated delta rule for [B, H, ·] inputs (all float32). Returns (new S, o_t)."""
+    S = S * jnp.exp(g_t)[..., None, None]
+    u = jnp.einsum("bhkv,bhk->bhv", S, k_t)  # what the state predicts for k_t
+    S = S + jnp.einsum("bhk,bhv->bhkv", k_t, b_t[..., None] * (v_t - u))  # write the correction
+    return S, jnp.einsum("bhkv,bhk->bhv", S, q_t)
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state, *, scale=None, use_qk_l2norm=False):
+    """A single decode token: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv].
+
+    Returns (o [B, H, Dv] in q's dtype, new state float32)."""
+    _check(q, k, v, g, beta, state, step=True)
+    dtype = q.dtype
+    q, k = _prep_qk(q, k, scale, use_qk_l2norm)
+    S, o = _delta_step(state.astype(jnp.float32), q, k, v.astype(jnp.float32), g.astype(jnp.float32),
+                       beta.astype(jnp.float32))
+    return o.astype(dtype), S
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale=None, use_qk_l2norm=False):
+    """Token-by-token gated delta rule (a `lax.scan` over T): the reference, and the decode path.
+
+    Returns (o [B, T, H, Dv] in q's dtype, final_state [B, H, Dk, Dv] float32)."""
+    _check(q, k, v, g, beta, initial_state)
+    dtype = q.dtype
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k = _prep_qk(q, k, scale, use_qk_l2norm)
+    S0 = jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+    # time-major for the scan
+    xs = (
+        jnp.moveaxis(q, 1, 0),
+        jnp.moveaxis(k, 1, 0),
+        jnp.moveaxis(v.astype(jnp.float32), 1, 0),
+        jnp.moveaxis(g.astype(jnp.float32), 1, 0),
+        jnp.moveaxis(beta.astype(jnp.float32), 1, 0),
+    )
+    S, o = jax.lax.scan(lambda S, x: _delta_step(S, *x), S0, xs)
+    return jnp.moveaxis(o, 0, 1).astype(dtype), S
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=None, scale=None, use_qk_l2norm=False):
+    """The chunked (WY / UT-transform) gated delta rule: the same result as the recurrent form, with the work
+    inside each chunk of C tokens done as matmuls and only the [Dk, Dv] state carried between chunks.
+
+    Per chunk (positions i, j in 0..C-1, G the cumulative log-decay inside the chunk):
+      A_ij = β_i (k_i·k_j) exp(G_i − G_j) for j < i;  M = I + A (unit lower triangular)
+      U = M⁻¹ (β ⊙ V)          — the "new values" before the old state is accounted for
+      W = M⁻¹ (β ⊙ exp(G) ⊙ K) — how much of the old state each of them must subtract
+      V' = U − W S;  O = (Q ⊙ exp(G)) S + [(Q Kᵀ) ⊙ exp(G_i − G_j)]_{j ≤ i} V'
+      S ← exp(G_C) S + (K ⊙ exp(G_C − G))ᵀ V'
+    T is zero-padded up to a multiple of C (g = 0 and beta = 0 there: decay 1, no write).
+
+    Returns (o [B, T, H, Dv] in q's dtype, final_state [B, H, Dk, Dv] float32)."""
+    _check(q, k, v, g, beta, initial_state)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    dtype = q.dtype
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = chunk_size
+    q, k = _prep_qk(q, k, scale, use_qk_l2norm)
+    v, g, beta = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+
+    pad = (-T) % C
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+    N = (T + pad) // C
+
+    # [B, T, H, D] -> [B, H, N, C, D]
+    def chunks(x):
+        return jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, *x.shape[3:])
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = jnp.cumsum(g, axis=-1)  # [B, H, N, C]: log of the decay from the chunk start to position i
+    lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
+    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
+    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, H, N, C, C]
+
+    kb = k * beta[..., None]
+    A = jnp.einsum("bhncd,bhnsd->bhncs", kb, k) * decay
+    M = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0) + jnp.eye(C, dtype=jnp.float32)
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], axis=-1)
+    sol = jax.lax.linalg.triangular_solve(M, rhs, left_side=True, lower=True, unit_diagonal=True)
+    U, W = sol[..., :Dv], sol[..., Dv:]  # [B, H, N, C, Dv], [B, H, N, C, Dk]
+
+    intra = jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay  # causal, diagonal included
+    q_dec = q * jnp.exp(G)[..., None]
+    G_last = G[..., -1:]  # [B, H, N, 1]
+    k_dec = k * jnp.exp(G_last - G)[..., None]
+    chunk_decay = jnp.exp(G_last[..., 0])  # [B, H, N]
+
+    S0 = jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
+
+    def body(S, xs):
+        U_n, W_n, k_n, d_n = xs
+        v_new = U_n - jnp.einsum("bhck,bhkv->bhcv", W_n, S)
+        S_next = S * d_n[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_n, v_new)
+        return S_next, (S, v_new)
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (U, W, k_dec, chunk_decay))
+    S, (S_prev, v_new) = jax.lax.scan(body, S0, xs)
+    S_prev, v_new = jnp.moveaxis(S_prev, 0, 2), jnp.moveaxis(v_new, 0, 2)  # [B,H,N,Dk,Dv], [B,H,N,C,Dv]
+    # Outputs of all chunks at once, outside the sequential loop: the old state's read plus the chunk's own.
+    o = jnp.einsum("bhnck,bhnkv->bhncv", q_dec, S_prev) + jnp.einsum("bhncs,bhnsv->bhncv", intra, v_new)
+    o = jnp.moveaxis(o.reshape(B, H, N * C, Dv), 1, 2)[:, :T]
+    return o.astype(dtype), S
+
+
+def gdn_flops(T: int, H: int, Dk: int, Dv: int, chunk_size: int = 64, *, B: int = 1) -> dict[str, float]:
+    """Multiply-add FLOPs (2 per MAC) of the two forms, for B sequences of T tokens and H heads."""
+    rec = 2 * T * H * B * (3 * Dk * Dv) + T * H * B * Dk * Dv  # read, write, output (+ decay)
+    C = chunk_size
+    N = math.ceil(T / C)
+    per_chunk = 2 * (
+        C * C * Dk  # A = (βK)Kᵀ
+        + C * C * Dk  # QKᵀ
+        + C * C * (Dv + Dk) / 2  # triangular solve (half a dense product)
+        + C * Dk * Dv  # W S
+        + C * Dk * Dv  # Kᵀ V'
+        + C * Dk * Dv  # Q S
+        + C * C * Dv  # intra · V'
+    )
+    return {"recurrent": float(rec), "chunked": float(per_chunk * N * H * B)}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Causal depthwise conv1d with its state.
+def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array | None = None, *, activation: bool = True):
+    """Causal depthwise conv over time, then SiLU.
+
+    x [B, T, C] (the pre-conv qkv columns), weight [C, Kc] (the checkpoint's [C, 1, Kc] squeezed; the last tap
+    multiplies the current token), conv_state [B, C, Kc] holding the last Kc inputs (zeros at the start).
+    Returns (y [B, T, C] in x's dtype, new conv_state [B, C, Kc] = the last Kc inputs, left zero-padded).
+    """
+    if weight.ndim == 3:
+        weight = weight[:, 0, :]
+    B, T, C = x.shape
+    if weight.shape[0] != C:
+        raise ValueError(f"conv weight has {weight.shape[0]} channels but x has {C} (x {tuple(x.shape)})")
+    Kc = weight.shape[-1]
+    if conv_state is None:
+        hist = jnp.zeros((B, Kc, C), x.dtype)
+    else:
+        if tuple(conv_state.shape) != (B, C, Kc):
+            raise ValueError(f"conv_state must be [B, C, Kc] = {(B, C, Kc)}, got {tuple(conv_state.shape)}")
+        hist = jnp.swapaxes(conv_state, 1, 2).astype(x.dtype)
+    xp = jnp.concatenate([hist, x], axis=1)  # [B, Kc + T, C]
+    w = weight.astype(x.dtype)
+    # y_t = sum_j w[:, j] * x_{t - (Kc - 1) + j}; x_t sits at xp index Kc + t.
+    y = sum(xp[:, 1 + j: 1 + j + T, :] * w[:, j] for j in range(Kc))
+    if activation:
+        y = jax.nn.silu(y)
+    new_state = jnp.swapaxes(xp[:, -Kc:, :], 1, 2)
+    return y.astype(x.dtype), new_state
+
+
+def causal_conv1d_update(x_t: jax.Array, weight: jax.Array, conv_state: jax.Array, *, activation: bool = True):
+    """One decode token: x_t [B, C], conv_state [B, C, Kc]. Shift the state left, append x_t, dot with the taps.
+
+    Returns (y [B, C], new conv_state)."""
+    if weight.ndim == 3:
+        weight = weight[:, 0, :]
+    if x_t.ndim != 2 or tuple(conv_state.shape) != (x_t.shape[0], x_t.shape[1], weight.shape[-1]):
+        raise ValueError(
+            f"causal_conv1d_update wants x_t [B, C] and conv_state [B, C, Kc]; got x_t {tuple(x_t.shape)}, "
+            f"conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"
+        )
+    state = jnp.concatenate([conv_state[:, :, 1:].astype(x_t.dtype), x_t[:, :, None]], axis=-1)
+    y = jnp.sum(state * weight.astype(x_t.dtype), axis=-1)
+    if activation:
+        y = jax.nn.silu(y)
+    return y.astype(x_t.dtype), state
+
+
+# ------------------------------------------------------------------------------------------------------------
+class GDNState(NamedTuple):
+    """Per-layer GDN cache: conv [B, conv_dim, Kc] (activation dtype) and recurrent [B, Hv, Dk, Dv] (float32)."""
+
+    conv: jax.Array
+    recurrent: jax.Array
+
+
+class DepthwiseConv1dWeight(nnx.Module):
+    """Holds `conv1d.weight` [conv_dim, 1, Kc] exactly as the checkpoint stores it (no bias)."""
+
+    def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        bound = 1.0 / math.sqrt(kernel)  # PyTorch's Conv1d default (fan_in = kernel for depthwise)
+        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (channels, 1, kernel), param_dtype, -bound, bound))
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention mixer of Qwen3.5 (`model.layers.{i}.linear_attn.*`).
+
+    `__call__(x [B, T, H], state=None) -> (y [B, T, H], GDNState)`. With no state the layer starts from zeros;
+    with a state, a single token takes the recurrent step (conv update + one delta-rule step) and anything longer
+    takes the chunked rule from the cached state. The returned state continues the sequence.
+    """
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, chunk_size: int = 64):
+        c = config
+        self.config = c
+        self.chunk_size = chunk_size
+        H = c.hidden_size
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = c.linear_key_dim, c.linear_value_dim, c.linear_conv_dim
+        self.in_proj_qkv = Linear(H, self.conv_dim, rngs=rngs, param_dtype=param_dtype)
+        self.in_proj_z = Linear(H, self.value_dim, rngs=rngs, param_dtype=param_dtype)
+        self.in_proj_b = Linear(H, self.num_v_heads, rngs=rngs, param_dtype=param_dtype)
+        self.in_proj_a = Linear(H, self.num_v_heads, rngs=rngs, param_dtype=param_dtype)
+        self.conv1d = DepthwiseConv1dWeight(self.conv_dim, c.linear_conv_kernel_dim, rngs=rngs, param_dtype=param_dtype)
+        self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), param_dtype))
+        A = jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
+        self.A_log = nnx.Param(jnp.log(A).astype(param_dtype))
+        self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.out_proj = Linear(self.value_dim, H, rngs=rngs, param_dtype=param_dtype, std=DEFAULT_INIT_STD)
+
+    def init_state(self, batch_size: int, dtype=jnp.float32) -> GDNState:
+        return GDNState(
+            conv=jnp.zeros((batch_size, self.conv_dim, self.config.linear_conv_kernel_dim), dtype),
+            recurrent=jnp.zeros((batch_size, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32),
+        )
+
+    def __call__(self, x: jax.Array, state: GDNState | None = None) -> tuple[jax.Array, GDNState]:
+        if x.ndim != 3 or x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"GatedDeltaNet expects x [B, T, {self.config.hidden_size}], got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        mixed = self.in_proj_qkv(x)  # [B, T, conv_dim] (pre-conv q | k | v)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+
+        w = self.conv1d.weight[...]
+        if state is not None and T == 1:
+            y, conv_state = causal_conv1d_update(mixed[:, 0], w, state.conv)
+            mixed = y[:, None]
+        else:
+            mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
+
+        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        )
+        rep = self.num_v_heads // self.num_k_heads  # value head j reads key head j // rep
+        if rep > 1:
+            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+
+        init = None if state is None else state.recurrent
+        if state is not None and T == 1:
+            o, rec = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init, use_qk_l2norm=True)
+            o = o[:, None]
+        else:
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=init,
+                                            use_qk_l2norm=True)
+        o = self.norm(o, z).reshape(B, T, self.value_dim)
+        return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
