@@ -14,4 +14,4 @@ def assert_close(actual, expected, *, atol, rtol=0.0, name="value"):
 def to_torch(x):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
+    return torch.from_numpy(np.array(x, copy=True))
