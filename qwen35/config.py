@@ -461,9 +461,41 @@ def tiny(**overrides) -> Qwen35Config:
     return Qwen35Config(**kw).validate()
 
 
+def small(**overrides) -> Qwen35Config:
+    """A ~120M-parameter model (hidden 512, 8 layers, 32 experts top-4, expert width 256, vocab 8192) for CPU
+    benchmarks against transformers: ~56 MFLOP per token, ~230 MB of fp32 weights touched per decode step at
+    batch 4."""
+    kw = dict(
+        name="small",
+        hidden_size=512,
+        num_hidden_layers=8,
+        vocab_size=8192,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=32_768,
+        num_experts=32,
+        num_experts_per_tok=4,
+        moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return Qwen35Config(**kw).validate()
+
+
 PRESETS = {
     "qwen35-397b-a17b": qwen35_397b_a17b,
     "qwen35-35b-a3b": qwen35_35b_a3b,
+    "small": small,
     "tiny": tiny,
 }
 

@@ -1,0 +1,212 @@
+"""qwen35 (jit) vs transformers (eager, CPU) on the same checkpoint, in one run.
+
+    python benchmarks/vs_transformers.py            # the ~120M `small` preset and the tiny one
+    python benchmarks/vs_transformers.py --quick    # tiny only, short (a smoke run)
+
+Measures prefill tokens/s (batch 4 x 512) and greedy decode tokens/s (batch 4, 64 new tokens, with a cache),
+this machine's matmul FLOP/s and memory bandwidth (same run), and each figure as a fraction of the roofline it
+implies: prefill is compute-bound (2 x active parameters FLOPs per token, plus attention), decode is memory-bound
+(the bytes of weights the batch touches per step: dense weights + the distinct experts its B·k slots hit).
+Prints a table and saves JSON (results/vs_transformers.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import qwen35
+from qwen35 import bench
+from qwen35.config import get_preset
+from qwen35.generate import generate
+
+
+def decode_bytes_per_step(cfg, batch: int, dtype_bytes: int = 4) -> float:
+    """Weight bytes one decode step reads: everything but the routed experts, plus the expected distinct experts
+    that batch·k routed slots touch per layer, E·(1 − (1 − k/E)^batch)."""
+    pc = cfg.param_counts()["components"]
+    dense = sum(v["total"] for k, v in pc.items() if k not in ("routed_experts", "embed_tokens"))
+    dense += cfg.hidden_size * batch  # embedding rows actually read
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * cfg.num_hidden_layers
+    return (dense + touched * per_expert) * dtype_bytes
+
+
+def prefill_flops_per_token(cfg, T: int) -> float:
+    """2 x active parameters (without the embedding lookup) + causal attention scores/values at average length T/2."""
+    pc = cfg.param_counts()
+    active = pc["active"] - pc["components"]["embed_tokens"]["active"]
+    attn = cfg.num_full_layers * 2 * 2 * cfg.num_attention_heads * cfg.head_dim * (T / 2)
+    return 2 * active + attn
+
+
+def build_checkpoint(cfg, path: str, seed: int = 0):
+    """A random checkpoint written by transformers (so both sides load the same file)."""
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(seed)
+    hc = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    m = Qwen3_5MoeForCausalLM(hc).eval()
+    m.save_pretrained(path)
+    return m
+
+
+def bench_transformers(hm, prompt: np.ndarray, new_tokens: int, repeats: int) -> dict:
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    ids = torch.from_numpy(prompt)
+
+    def prefill():
+        with torch.no_grad():
+            return hm(ids, use_cache=False).logits
+
+    prefill()
+    t_pre = min(_t(prefill) for _ in range(repeats))
+
+    def decode():
+        with torch.no_grad():
+            cache = DynamicCache(config=hm.config)
+            out = hm(ids, cache=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            t0 = time.perf_counter()
+            toks = [tok]
+            for _ in range(new_tokens - 1):
+                out = hm(tok, cache=cache, use_cache=True)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                toks.append(tok)
+            return time.perf_counter() - t0, torch.cat(toks, 1).numpy()
+
+    t_dec, toks = decode()
+    return {"prefill_s": t_pre, "decode_s": t_dec, "decode_steps": new_tokens - 1, "tokens": toks}
+
+
+def _t(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_qwen35(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> dict:
+    from flax import nnx
+
+    from qwen35.model import forward_fn
+
+    f, params = forward_fn(model)
+    ids = jnp.asarray(prompt)
+    t_pre = bench.timeit(lambda: f(params, ids, None)[0], repeats=repeats)["best"]
+    # decode: the whole greedy loop runs in one jitted lax.scan; time it with and without the decode part
+    B, T = prompt.shape
+    gen_full = bench.timeit(lambda: qwen35.generate(model, prompt, new_tokens), repeats=max(1, repeats // 2))["best"]
+    gen_one = bench.timeit(lambda: qwen35.generate(model, prompt, 1), repeats=max(1, repeats // 2))["best"]
+    toks = generate(model, prompt, new_tokens)
+    del nnx
+    return {"prefill_s": t_pre, "decode_s": max(gen_full - gen_one, 1e-9), "decode_steps": new_tokens - 1,
+            "tokens": toks}
+
+
+def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_prompt_len: int, repeats: int,
+        peak: float, bw: float) -> dict:
+    import torch
+
+    cfg = get_preset(preset)
+    bench.log(f"[{preset}] {cfg.param_counts()['total'] / 1e6:.1f} M parameters: writing a transformers checkpoint")
+    with tempfile.TemporaryDirectory() as d:
+        hm = build_checkpoint(cfg, d)
+        model = qwen35.load_hf_checkpoint(d, dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+    dprompt = prompt[:, :decode_prompt_len]
+    bench.log(f"[{preset}] transformers (eager, {torch.get_num_threads()} threads)")
+    ref = bench_transformers(hm, prompt, new_tokens, repeats)
+    ref_dec = bench_transformers(hm, dprompt, new_tokens, 1)
+    bench.log(f"[{preset}] qwen35 (jit)")
+    ours = bench_qwen35(model, prompt, new_tokens, repeats)
+    ours_dec = bench_qwen35(model, dprompt, new_tokens, repeats)
+    same = float(np.mean(ours_dec["tokens"][:, : ref_dec["tokens"].shape[1]] == ref_dec["tokens"]))
+
+    flops_tok = prefill_flops_per_token(cfg, prompt_len)
+    dbytes = decode_bytes_per_step(cfg, batch)
+    roof_prefill = peak / flops_tok  # tokens/s if compute-bound at the measured matmul peak
+    roof_decode = bw / dbytes * batch  # tokens/s if every step only streams the touched weights
+    rows = {}
+    for name, r, rd in (("transformers", ref, ref_dec), ("qwen35", ours, ours_dec)):
+        pre_tps = batch * prompt_len / r["prefill_s"]
+        dec_tps = batch * rd["decode_steps"] / rd["decode_s"]
+        rows[name] = {
+            "prefill_tokens_per_s": pre_tps,
+            "decode_tokens_per_s": dec_tps,
+            "decode_ms_per_step": 1e3 * rd["decode_s"] / rd["decode_steps"],
+            "prefill_frac_of_roofline": pre_tps / roof_prefill,
+            "decode_frac_of_roofline": dec_tps / roof_decode,
+        }
+    return {
+        "preset": preset,
+        "params": cfg.param_counts()["total"],
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "decode_prompt_len": decode_prompt_len,
+        "new_tokens": new_tokens,
+        "prefill_flops_per_token": flops_tok,
+        "decode_bytes_per_step": dbytes,
+        "roofline_prefill_tokens_per_s": roof_prefill,
+        "roofline_decode_tokens_per_s": roof_decode,
+        "greedy_tokens_agree": same,
+        "results": rows,
+        "speedup_prefill": rows["qwen35"]["prefill_tokens_per_s"] / rows["transformers"]["prefill_tokens_per_s"],
+        "speedup_decode": rows["qwen35"]["decode_tokens_per_s"] / rows["transformers"]["decode_tokens_per_s"],
+    }
+
+
+def format_table(res: dict) -> str:
+    lines = [f"\n== {res['preset']} ({res['params'] / 1e6:.1f} M params; prefill {res['batch']}x{res['prompt_len']}, "
+             f"decode {res['batch']}x{res['new_tokens']} after a {res['decode_prompt_len']}-token prompt) ==",
+             f"roofline: prefill {res['roofline_prefill_tokens_per_s']:,.0f} tok/s "
+             f"({res['prefill_flops_per_token'] / 1e6:.1f} MFLOP/token), decode "
+             f"{res['roofline_decode_tokens_per_s']:,.0f} tok/s ({res['decode_bytes_per_step'] / 1e6:.0f} MB/step)",
+             f"{'':<14}{'prefill tok/s':>15}{'% roof':>8}{'decode tok/s':>14}{'ms/step':>9}{'% roof':>8}"]
+    for name, r in res["results"].items():
+        lines.append(f"{name:<14}{r['prefill_tokens_per_s']:>15,.0f}{100 * r['prefill_frac_of_roofline']:>7.1f}%"
+                     f"{r['decode_tokens_per_s']:>14,.1f}{r['decode_ms_per_step']:>9.2f}"
+                     f"{100 * r['decode_frac_of_roofline']:>7.1f}%")
+    lines.append(f"qwen35 / transformers: prefill x{res['speedup_prefill']:.2f}, decode x{res['speedup_decode']:.2f}; "
+                 f"greedy tokens agree on {100 * res['greedy_tokens_agree']:.0f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny preset only, short prompts (smoke run)")
+    p.add_argument("--presets", default=None, help="comma-separated presets (default: small,tiny)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    presets = (a.presets or ("tiny" if a.quick else "small,tiny")).split(",")
+    batch, prompt_len, new_tokens, dprompt = (2, 32, 8, 16) if a.quick else (4, 512, 64, 64)
+    bench.log("measuring this machine: matmul peak and memory bandwidth")
+    peak = bench.matmul_peak(1024 if a.quick else 2048)
+    bw = bench.memory_bandwidth(64 * 2**20 if a.quick else 256 * 2**20)
+    bench.log(f"fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory {bw / 1e9:.1f} GB/s")
+    out = {"machine": bench.machine_info(), "matmul_flops": peak, "memory_bytes_per_s": bw, "runs": []}
+    for preset in presets:
+        res = run(preset, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_prompt_len=dprompt,
+                  repeats=1 if a.quick else a.repeats, peak=peak, bw=bw)
+        bench.log(format_table(res))
+        out["runs"].append(res)
+    path = bench.save_json(out, a.json, "vs_transformers.json")
+    bench.log(f"saved {path}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,322 @@
+"""Gated grouped-query attention of Qwen3.5: partial rotate-half RoPE (with optional YaRN), q/k RMSNorm, an
+output gate, and a KV cache.
+
+Layouts:
+  x  [B, T, H]          q  [B, T, Hq, Dh]       k, v  [B, S, Hkv, Dh]       cache k, v  [B, S_max, Hkv, Dh]
+  positions [T] (or [B, T])                      cos, sin  [..., rd/2]  (one entry per rotating pair)
+
+The layer, for a token at position p (q head h reads kv head h // (Hq/Hkv)):
+  q_h, gate_h = split(q_proj(x) per head);  q = RoPE_p(q_norm(q));  k = RoPE_p(k_norm(k_proj(x)));  v = v_proj(x)
+  o = softmax(q kᵀ / sqrt(Dh), causal) v;   y = o_proj(o · sigmoid(gate))
+
+RoPE rotates only the first rd = Dh · partial_rotary_factor dims, rotate-half style: dim i is paired with
+dim i + rd/2 and both turn by the angle p · inv_freq[i]; dims ≥ rd pass through unchanged. Scores and softmax are
+float32 whatever the activation dtype; the cache stores keys after k_norm and RoPE.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qwen35.config import Qwen35Config
+from qwen35.layers import Linear, RMSNorm
+
+__all__ = [
+    "rope_inv_freq",
+    "rope_cos_sin",
+    "apply_rope",
+    "reference_attention",
+    "gqa_attention",
+    "KVCache",
+    "GatedAttention",
+    "kv_bytes_per_token",
+]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# RoPE tables.
+def _rope_params(config: Qwen35Config) -> tuple[str, dict]:
+    rs = config.rope_scaling_dict or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind not in ("default", "yarn"):
+        raise ValueError(f"rope type {kind!r} is not supported; use 'default' or 'yarn'.")
+    return kind, rs
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_inv_freq_cached(config: Qwen35Config) -> tuple[tuple[float, ...], float]:
+    kind, rs = _rope_params(config)
+    base, rd = float(config.rope_theta), config.rotary_dim
+    f32 = np.float32
+    # transformers computes these tables in float32 (base ** (arange(0, rd, 2) / rd), then 1 / that); we do the
+    # same arithmetic in float32 (the power is evaluated in float64 and rounded once) so the tables agree bit-close.
+    exponent = np.arange(0, rd, 2, dtype=f32) / f32(rd)
+    pos_freqs = (base ** exponent.astype(np.float64)).astype(f32)  # theta^(2i/rd)
+    inv_freq = f32(1.0) / pos_freqs
+    if kind == "default":
+        return tuple(float(v) for v in inv_freq), 1.0
+
+    # YaRN ("NTK-by-parts" + attention temperature), as transformers' `_compute_yarn_parameters`.
+    original_max = rs.get("original_max_position_embeddings") or config.max_position_embeddings
+    factor = rs.get("factor")
+    if factor is None:
+        factor = config.max_position_embeddings / original_max
+    factor = float(factor)
+    attention_factor = rs.get("attention_factor")
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):  # the dim index whose wavelength fits `num_rotations` turns in original_max
+        return (rd * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rd - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(rd // 2, dtype=f32) - f32(low)) / f32(high - low), 0, 1).astype(f32)
+    extrapolation = f32(1) - ramp  # 1: keep the original frequency (fast dims), 0: divide it by `factor`
+    inv_interp = f32(1.0) / (f32(factor) * pos_freqs)
+    inv_freq = inv_interp * (f32(1) - extrapolation) + inv_freq * extrapolation
+    return tuple(float(v) for v in inv_freq.astype(f32)), float(attention_factor)
+
+
+def rope_inv_freq(config: Qwen35Config) -> tuple[np.ndarray, float]:
+    """(inv_freq [rd/2] float32, attention_scaling) for the config's RoPE.
+
+    Default: inv_freq[i] = theta^(-2i/rd), scaling 1. YaRN (`rope_scaling` with rope_type "yarn"): the slow
+    dims (wavelength longer than the original context / beta_slow turns) are divided by `factor`, the fast ones
+    (more than beta_fast turns) kept, a linear ramp in between; cos and sin are multiplied by the attention factor
+    (0.1·ln(factor) + 1 unless `attention_factor` or `mscale`/`mscale_all_dim` say otherwise). This follows
+    transformers' `_compute_yarn_parameters`, including `truncate` and its defaults (beta_fast 32, beta_slow 1,
+    original_max_position_embeddings = max_position_embeddings).
+    """
+    inv, scale = _rope_inv_freq_cached(config)
+    return np.asarray(inv, np.float32), scale
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, attention_scaling: float = 1.0):
+    """cos and sin of positions · inv_freq, times attention_scaling, in float32: each [..., rd/2] for positions
+    [...]. (transformers returns the same table concatenated with itself, [..., rd]; we keep one copy per pair.)"""
+    angles = jnp.asarray(positions).astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles) * attention_scaling, jnp.sin(angles) * attention_scaling
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, rotary_dim: int) -> jax.Array:
+    """Rotate-half RoPE on the first `rotary_dim` dims of x [B, T, N, Dh]; the rest pass through.
+
+    cos, sin [T, rd/2] or [B, T, rd/2]. Pair (i, i + rd/2) turns by angle i:
+      y_i = x_i cos_i − x_{i+rd/2} sin_i,   y_{i+rd/2} = x_{i+rd/2} cos_i + x_i sin_i.
+    Computed in float32, returned in x's dtype."""
+    if x.ndim != 4:
+        raise ValueError(f"apply_rope expects x [B, T, N, Dh], got shape {tuple(x.shape)}")
+    half = rotary_dim // 2
+    if rotary_dim % 2 or not 0 < rotary_dim <= x.shape[-1]:
+        raise ValueError(f"rotary_dim must be even and in (0, Dh={x.shape[-1]}], got {rotary_dim}")
+    if cos.shape[-1] != half or sin.shape != cos.shape:
+        raise ValueError(
+            f"cos and sin must be [..., rd/2 = {half}] (one angle per rotating pair), got cos {tuple(cos.shape)}, "
+            f"sin {tuple(sin.shape)}"
+        )
+    if cos.shape[-2] != x.shape[1]:
+        raise ValueError(f"cos/sin cover {cos.shape[-2]} positions but x has T = {x.shape[1]} (x {tuple(x.shape)})")
+    c, s = cos.astype(jnp.float32)[..., None, :], sin.astype(jnp.float32)[..., None, :]  # broadcast over heads
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
+    y = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1)
+    return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Attention cores.
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4:
+            raise ValueError(f"{name} must be [B, T, heads, Dh], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch (axis 0) and head dim (axis 3)"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"q has {q.shape[2]} heads, not a multiple of the {k.shape[2]} kv heads (GQA)")
+
+
+def reference_attention(q, k, v, *, causal_offset: int | jax.Array = 0, kv_len: int | jax.Array | None = None):
+    """Plain softmax attention, written to be obviously right: repeat each kv head Hq/Hkv times, float32 scores
+    scaled by Dh^-0.5, query t (at position causal_offset + t) sees keys s ≤ causal_offset + t and s < kv_len.
+
+    q [B, T, Hq, Dh], k, v [B, S, Hkv, Dh] -> [B, T, Hq, Dh] in q's dtype."""
+    _check_qkv(q, k, v)
+    B, T, Hq, Dh = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    k = jnp.repeat(k, Hq // Hkv, axis=2).astype(jnp.float32)  # head h -> kv head h // (Hq/Hkv)
+    v = jnp.repeat(v, Hq // Hkv, axis=2).astype(jnp.float32)
+    scores = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k) * Dh**-0.5
+    q_pos = causal_offset + jnp.arange(T)
+    k_pos = jnp.arange(S)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if kv_len is not None:
+        visible = visible & (k_pos[None, :] < kv_len)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", p, v).astype(q.dtype)
+
+
+def gqa_attention(q, k, v, *, q_positions: jax.Array, kv_len: int | jax.Array | None = None):
+    """Grouped-query causal attention without materialising repeated kv heads: q is viewed as
+    [B, T, Hkv, G, Dh] (G = Hq/Hkv, q head h = kv head h // G, member h % G). Query t at q_positions[t] sees keys
+    s ≤ q_positions[t] (and s < kv_len if given). Scores and softmax in float32.
+
+    q [B, T, Hq, Dh], k, v [B, S, Hkv, Dh] -> [B, T, Hq, Dh] in q's dtype."""
+    _check_qkv(q, k, v)
+    B, T, Hq, Dh = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, T, Hkv, G, Dh).astype(jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) * Dh**-0.5
+    k_pos = jnp.arange(S)
+    visible = k_pos[None, :] <= q_positions[:, None]  # [T, S]
+    if kv_len is not None:
+        visible = visible & (k_pos[None, :] < kv_len)
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)  # key 0 is always visible: no empty rows
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return o.reshape(B, T, Hq, Dh).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+class KVCache(NamedTuple):
+    """Per-layer KV cache: k, v [B, S_max, Hkv, Dh]; keys stored after k_norm and RoPE. How many slots are filled
+    is not stored here: the caller passes it as `cache_index`."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def kv_bytes_per_token(config: Qwen35Config, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes one token costs across all full-attention layers: layers × 2 (K, V) × Hkv × Dh × bytes."""
+    return config.num_full_layers * 2 * config.num_key_value_heads * config.head_dim * dtype_bytes
+
+
+def _static_int(x) -> int | None:
+    """x as a Python int if it is known at trace time, else None (a tracer under jit)."""
+    try:
+        return int(x)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+class GatedAttention(nnx.Module):
+    """The full-attention mixer of Qwen3.5 (`model.layers.{i}.self_attn.*`).
+
+    `__call__(x [B, T, H], *, cache=None, cache_index=0) -> (y [B, T, H], KVCache | None)`.
+    `cache_index` is how many tokens the cache already holds = the position of x[:, 0] (an int or a traced int32
+    scalar). Without a cache: causal attention over the T tokens (RoPE positions start at cache_index), returns
+    (y, None). With a cache: the new keys/values are written at [cache_index, cache_index + T) and the T queries
+    attend over the cache up to their own position; returns (y, updated cache).
+    """
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        c = config
+        self.config = c
+        H = c.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.rotary_dim = c.rotary_dim
+        Hq, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+        self.q_proj = Linear(H, Hq * Dh * 2, rngs=rngs, param_dtype=param_dtype)  # per head: q_h then gate_h
+        self.k_proj = Linear(H, Hkv * Dh, rngs=rngs, param_dtype=param_dtype)
+        self.v_proj = Linear(H, Hkv * Dh, rngs=rngs, param_dtype=param_dtype)
+        self.o_proj = Linear(Hq * Dh, H, rngs=rngs, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(Dh, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(Dh, eps=c.rms_norm_eps, param_dtype=param_dtype)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty (zeros) cache for `max_len` tokens."""
+        shape = (batch_size, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def _check(self, x, cache, cache_index):
+        H = self.config.hidden_size
+        if x.ndim != 3 or x.shape[-1] != H:
+            raise ValueError(f"GatedAttention expects x [B, T, H={H}], got shape {tuple(x.shape)}")
+        B, T, _ = x.shape
+        if jnp.ndim(cache_index) != 0:
+            raise ValueError(
+                f"cache_index must be a scalar (tokens already in the cache), got shape {jnp.shape(cache_index)}"
+            )
+        idx = _static_int(cache_index)
+        if idx is not None and idx < 0:
+            raise ValueError(f"cache_index must be >= 0, got {idx}")
+        if cache is None:
+            return
+        Hkv, Dh = self.num_kv_heads, self.head_dim
+        for name, t in (("cache.k", cache.k), ("cache.v", cache.v)):
+            if t.ndim != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (B, Hkv, Dh):
+                raise ValueError(
+                    f"{name} must be [B={B}, S_max, Hkv={Hkv}, Dh={Dh}], got shape {tuple(t.shape)}; "
+                    f"build it with init_cache(batch, max_len)"
+                )
+        if cache.k.shape != cache.v.shape:
+            raise ValueError(
+                f"cache.k {tuple(cache.k.shape)} and cache.v {tuple(cache.v.shape)} must have the same shape"
+            )
+        S_max = cache.k.shape[1]
+        if idx is not None and idx + T > S_max:
+            noun = "prompt" if idx == 0 else "continuation"
+            raise ValueError(
+                f"{noun} of {T} tokens at position {idx} does not fit a cache of {S_max} tokens; allocate a larger "
+                f"cache with init_cache(batch, max_len) (max_len >= {idx + T})"
+            )
+
+    def __call__(self, x: jax.Array, *, cache: KVCache | None = None,
+                 cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+        self._check(x, cache, cache_index)
+        B, T, _ = x.shape
+        Hq, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
+
+        qg = self.q_proj(x).reshape(B, T, Hq, 2 * Dh)  # per head: [q_h | gate_h]
+        q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, T, Hq * Dh)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, Hkv, Dh))
+        v = self.v_proj(x).reshape(B, T, Hkv, Dh)
+
+        start = jnp.asarray(cache_index, jnp.int32)
+        positions = start + jnp.arange(T, dtype=jnp.int32)
+        inv_freq, scaling = rope_inv_freq(self.config)
+        cos, sin = rope_cos_sin(positions, inv_freq, scaling)
+        q = apply_rope(q, cos, sin, self.rotary_dim)
+        k = apply_rope(k, cos, sin, self.rotary_dim)
+
+        if cache is None:
+            o = gqa_attention(q, k, v, q_positions=jnp.arange(T))
+            new_cache = None
+        else:
+            zero = jnp.zeros((), jnp.int32)
+            ck = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (zero, start, zero, zero))
+            cv = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
+            new_cache = KVCache(ck, cv)
+            o = gqa_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=positions, kv_len=start + T)
+
+        o = o.reshape(B, T, Hq * Dh)
+        o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+        return self.o_proj(o), new_cache

@@ -1,0 +1,251 @@
+"""The hybrid Qwen3.5-MoE decoder: embeddings, decoder layers by `layer_types` (Gated DeltaNet or gated attention,
+each followed by the sparse MoE), final norm, lm_head.
+
+The module tree mirrors the Hugging Face names, so `model.layers.3.self_attn.q_proj.weight` is
+`model.model.layers[3].self_attn.q_proj.weight` here and the checkpoint mapping is the identity on names.
+
+    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))      # or qwen35.load_hf_checkpoint(path)
+    cache = model.init_cache(batch_size, max_len)
+    logits, cache = model(input_ids, cache=cache)             # prefill; positions continue from the cache
+    logits, cache = model(next_ids, cache=cache)              # decode (T = 1) or a multi-token continuation
+    logits, _ = model(input_ids)                              # no cache: a plain forward
+
+Calls are jitted: the module is split into (graph, params) and a cached `jax.jit` of the pure forward runs, so
+the Python work per call is one tree flatten. One cache serves all three phases: per GDN layer the conv and
+recurrent state, per attention layer K/V, and the number of tokens already seen.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from qwen35.attention import GatedAttention, KVCache
+from qwen35.config import LINEAR, Qwen35Config
+from qwen35.gdn import GatedDeltaNet, GDNState
+from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNorm
+from qwen35.moe import SparseMoeBlock
+
+__all__ = ["HybridCache", "ModelOutput", "DecoderLayer", "Qwen35ForCausalLM", "forward_fn"]
+
+
+class HybridCache(NamedTuple):
+    """Decode state of the whole model: `layers[i]` is a `GDNState` (linear layers) or a `KVCache` (attention
+    layers); `index` (int32 scalar) is the number of tokens already processed, i.e. the next token's position."""
+
+    layers: tuple
+    index: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        for s in self.layers:
+            if isinstance(s, KVCache):
+                return int(s.k.shape[1])
+        return np.iinfo(np.int32).max  # no attention layer: GDN state has no length limit
+
+    @property
+    def batch_size(self) -> int:
+        s = self.layers[0]
+        return int((s.conv if isinstance(s, GDNState) else s.k).shape[0])
+
+    def nbytes(self) -> int:
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T, V] float32
+    cache: HybridCache | None
+    hidden_states: tuple  # L + 1 entries: the embeddings, then each layer's output (before the final norm)
+    router_logits: tuple  # L entries of [B·T, E] float32
+
+
+class Embed(nnx.Module):
+    """`embed_tokens.weight` [V, H]."""
+
+    def __init__(self, vocab: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        self.weight = nnx.Param(DEFAULT_INIT_STD * jax.random.normal(rngs.params(), (vocab, hidden), param_dtype))
+
+    def __call__(self, ids: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: h += mixer(input_layernorm(h)); h += moe(post_attention_layernorm(h))."""
+
+    def __init__(self, config: Qwen35Config, layer_idx: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 moe_impl: str = "sorted"):
+        c = config
+        self.layer_type = c.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        if self.layer_type == LINEAR:
+            self.linear_attn = GatedDeltaNet(c, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.self_attn = GatedAttention(c, rngs=rngs, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, impl=moe_impl)
+
+    def __call__(self, h, state, cache_index):
+        x = self.input_layernorm(h)
+        if self.layer_type == LINEAR:
+            y, new_state = self.linear_attn(x, state)
+        else:
+            y, new_state = self.self_attn(x, cache=state, cache_index=cache_index)
+        h = h + y
+        m, router_logits = self.mlp(self.post_attention_layernorm(h))
+        return h + m, new_state, router_logits
+
+
+class TextModel(nnx.Module):
+    """`model.*`: embed_tokens, layers, norm."""
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted"):
+        c = config
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype)
+        self.layers = nnx.List([
+            DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl)
+            for i in range(c.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    """Qwen3.5-MoE causal LM (text). See the module docstring for the API.
+
+    `dtype` is the activation dtype (default: the parameters' dtype); the GDN core, router, norms and softmax
+    run in float32 regardless. `moe_impl` picks the expert path ("sorted", "dense" or "capacity").
+    """
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
+                 dtype=None, moe_impl: str = "sorted"):
+        config.validate()
+        self.config = config
+        self.dtype = jnp.dtype(dtype or param_dtype)
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.model = TextModel(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
+        else:
+            self.lm_head = None
+
+    # -- cache ---------------------------------------------------------------------------------------------
+    def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
+        """Zeros for every layer: K/V for `max_len` tokens (attention), conv + recurrent state (GDN)."""
+        if batch_size < 1 or max_len < 1:
+            raise ValueError(f"init_cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
+        if max_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"max_len {max_len} exceeds the model's max_position_embeddings "
+                f"({self.config.max_position_embeddings}); use a shorter cache or a config with RoPE scaling (YaRN)"
+            )
+        dtype = jnp.dtype(dtype or self.dtype)
+        layers = []
+        for layer in self.model.layers:
+            if layer.layer_type == LINEAR:
+                layers.append(layer.linear_attn.init_state(batch_size, dtype))
+            else:
+                layers.append(layer.self_attn.init_cache(batch_size, max_len, dtype))
+        return HybridCache(layers=tuple(layers), index=jnp.zeros((), jnp.int32))
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: jax.Array, cache: HybridCache | None = None) -> ModelOutput:
+        """The forward pass as traced code (call it under jit, or use `__call__`, which does)."""
+        c = self.config
+        B, T = input_ids.shape
+        h = self.model.embed_tokens(input_ids, self.dtype)
+        index = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        hidden, routers, new_states = [h], [], []
+        for i, layer in enumerate(self.model.layers):
+            state = None if cache is None else cache.layers[i]
+            h, new_state, router_logits = layer(h, state, index)
+            hidden.append(h)
+            routers.append(router_logits)
+            new_states.append(new_state)
+        x = self.model.norm(h)
+        if self.lm_head is not None:
+            logits = self.lm_head(x)
+        else:
+            logits = jnp.einsum("btd,vd->btv", x, self.model.embed_tokens.weight[...].astype(x.dtype))
+        new_cache = None if cache is None else HybridCache(tuple(new_states), index + T)
+        del c
+        return ModelOutput(logits.astype(jnp.float32), new_cache, tuple(hidden), tuple(routers))
+
+    def _check_call(self, input_ids, cache):
+        if not hasattr(input_ids, "shape") or len(input_ids.shape) != 2:
+            raise ValueError(f"input_ids must be [B, T] integers, got {getattr(input_ids, 'shape', type(input_ids))}")
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("input_ids is empty (T = 0): give at least one token")
+        if not jnp.issubdtype(input_ids.dtype, jnp.integer):
+            raise ValueError(f"input_ids must be integers, got dtype {input_ids.dtype}")
+        if isinstance(input_ids, np.ndarray) or not isinstance(input_ids, jax.core.Tracer):
+            lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in [{lo}, {hi}]")
+        if cache is not None:
+            if not isinstance(cache, HybridCache) or len(cache.layers) != self.config.num_hidden_layers:
+                raise ValueError("cache must be the HybridCache returned by model.init_cache(batch, max_len)")
+            if cache.batch_size != B:
+                raise ValueError(f"input_ids has batch {B} but the cache was made for batch {cache.batch_size}")
+            if not isinstance(cache.index, jax.core.Tracer):
+                used, cap = int(cache.index), cache.max_len
+                if used + T > cap:
+                    what = "prompt" if used == 0 else "continuation"
+                    raise ValueError(
+                        f"{what} of {T} tokens at position {used} does not fit the cache of {cap} tokens; "
+                        f"make a larger one with model.init_cache({B}, max_len={used + T}) or shorten the input"
+                    )
+        elif T > self.config.max_position_embeddings:
+            raise ValueError(f"input of {T} tokens is longer than max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+
+    def __call__(self, input_ids, cache: HybridCache | None = None):
+        """`logits [B, T, V] float32, new cache (None without a cache)`, jitted."""
+        if isinstance(input_ids, (list, tuple, np.ndarray)):
+            input_ids = np.asarray(input_ids)
+        self._check_call(input_ids, cache)
+        if isinstance(input_ids, jax.core.Tracer):  # already inside someone's jit: just trace
+            out = self.forward(input_ids, cache)
+            return out.logits, out.cache
+        graphdef, state = nnx.split(self)
+        logits, new_cache = _jitted_forward(graphdef, state, jnp.asarray(input_ids, jnp.int32), cache)
+        return logits, new_cache
+
+    def forward_with_details(self, input_ids, cache: HybridCache | None = None) -> ModelOutput:
+        """Like `__call__` but also returns every layer's hidden state and router logits (jitted)."""
+        input_ids = np.asarray(input_ids) if isinstance(input_ids, (list, tuple)) else input_ids
+        self._check_call(input_ids, cache)
+        input_ids = jnp.asarray(input_ids, jnp.int32)
+        graphdef, state = nnx.split(self)
+        return _jitted_forward_details(graphdef, state, input_ids, cache)
+
+    def num_params(self) -> int:
+        return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_forward(graphdef, state, input_ids, cache):
+    out = nnx.merge(graphdef, state).forward(input_ids, cache)
+    return out.logits, out.cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted_forward_details(graphdef, state, input_ids, cache):
+    return nnx.merge(graphdef, state).forward(input_ids, cache)
+
+
+def forward_fn(model: Qwen35ForCausalLM) -> tuple[Any, Any]:
+    """(pure_fn, params) with `pure_fn(params, input_ids, cache) -> (logits, cache)` jitted: for benchmarks and
+    loops that want zero per-call module handling."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def f(state, input_ids, cache):
+        out = nnx.merge(graphdef, state).forward(input_ids, cache)
+        return out.logits, out.cache
+
+    return f, state
