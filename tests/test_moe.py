@@ -1,0 +1,322 @@
+"""Sparse MoE: the router against torch, the three expert paths against each other (empty experts, capacity
+drops counted by hand), the aux loss against transformers' `load_balancing_loss_func`, and the whole
+`SparseMoeBlock` against transformers' `Qwen3_5MoeSparseMoeBlock` with the same weights."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from helpers import assert_close, to_torch
+from transformers import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
+
+import qwen35
+from qwen35 import moe
+
+ODD = dict(hidden_size=40, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
+           shared_expert_intermediate_size=12)
+
+
+def expert_weights(rng, E, H, I, scale=0.1):
+    gate_up = (scale * rng.standard_normal((E, 2 * I, H))).astype(np.float32)
+    down = (scale * rng.standard_normal((E, H, I))).astype(np.float32)
+    return gate_up, down
+
+
+def routed_inputs(rng, N, H, E, k, I, *, skip_expert=None):
+    """x, normalised weights and k distinct expert ids per token (optionally never using one expert)."""
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    pool = [e for e in range(E) if e != skip_expert]
+    experts = np.stack([rng.choice(pool, size=k, replace=False) for _ in range(N)]).astype(np.int32)
+    w = rng.uniform(0.1, 1.0, size=(N, k)).astype(np.float32)
+    return x, w / w.sum(-1, keepdims=True), experts, *expert_weights(rng, E, H, I)
+
+
+def numpy_moe(x, weights, experts, gate_up, down):
+    """Per-token loop in float64: the plainest statement of the routed sum."""
+    I = down.shape[-1]
+    y = np.zeros(x.shape, np.float64)
+    for n in range(x.shape[0]):
+        for w, e in zip(weights[n], experts[n]):
+            h = gate_up[e].astype(np.float64) @ x[n]
+            g, u = h[:I], h[I:]
+            y[n] += w * (down[e].astype(np.float64) @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Router
+@pytest.mark.parametrize("N,H,E,k", [(37, 64, 8, 2), (50, 40, 6, 3), (16, 24, 5, 5), (9, 8, 4, 1)])
+def test_route_matches_torch(rng, N, H, E, k):
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    w_r = rng.standard_normal((E, H)).astype(np.float32)
+    weights, experts, logits = moe.route(x, w_r, k)
+    assert weights.dtype == jnp.float32 and experts.dtype == jnp.int32 and logits.dtype == jnp.float32
+    assert weights.shape == experts.shape == (N, k) and logits.shape == (N, E)
+    t_logits = to_torch(x) @ to_torch(w_r).T
+    p = torch.softmax(t_logits, dim=-1, dtype=torch.float)
+    tw, ti = torch.topk(p, k, dim=-1)
+    tw = tw / tw.sum(-1, keepdim=True)
+    np.testing.assert_array_equal(np.asarray(experts), ti.numpy())
+    assert_close(weights, tw.numpy(), atol=1e-6, name="weights")
+    assert_close(logits, t_logits.numpy(), atol=1e-5, name="logits")
+    assert_close(np.sum(np.asarray(weights), -1), np.ones(N), atol=1e-6, name="sum of weights")
+
+
+def test_route_matches_hf_router(rng):
+    cfg = qwen35.tiny()
+    router = hf.Qwen3_5MoeTopKRouter(hf_config(cfg))
+    x = rng.standard_normal((20, cfg.hidden_size)).astype(np.float32)
+    w_r = rng.standard_normal((cfg.num_experts, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        router.weight.copy_(to_torch(w_r))
+        t_logits, t_w, t_i = router(to_torch(x))
+    weights, experts, logits = moe.route(x, w_r, cfg.num_experts_per_tok)
+    np.testing.assert_array_equal(np.asarray(experts), t_i.numpy())
+    assert_close(weights, t_w.numpy(), atol=1e-6, name="weights")
+    assert_close(logits, t_logits.numpy(), atol=1e-5, name="logits")
+
+
+def test_route_rejects_bad_inputs(rng):
+    x = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="top-k"):
+        moe.route(x, np.zeros((3, 8), np.float32), 4)
+    with pytest.raises(ValueError, match=r"router_w must be \[E, H\]"):
+        moe.route(x, np.zeros((3, 7), np.float32), 2)
+    with pytest.raises(ValueError, match=r"x must be \[N, H\]"):
+        moe.route(x[None], np.zeros((3, 8), np.float32), 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Three expert paths
+PATHS = {
+    "dense": moe.experts_dense,
+    "sorted_tiles": lambda *a: moe.experts_sorted(*a, method="tiles"),
+    "sorted_ragged_dot": lambda *a: moe.experts_sorted(*a, method="ragged_dot"),
+    "capacity_big": lambda *a: moe.experts_capacity(*a, capacity_factor=100.0)[0],
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("N,H,E,k,I,skip", [(33, 16, 8, 2, 12, None), (50, 40, 6, 3, 20, 4), (7, 8, 5, 1, 4, 0),
+                                            (1, 8, 4, 4, 6, None)])
+def test_paths_equal_numpy(rng, path, N, H, E, k, I, skip):
+    x, w, e, gu, dn = routed_inputs(rng, N, H, E, k, I, skip_expert=skip)
+    if skip is not None:
+        assert moe.expert_load(e, E).tokens_per_expert[skip] == 0  # an expert with an empty group
+    y = PATHS[path](x, w, e, gu, dn)
+    assert y.shape == (N, H) and y.dtype == jnp.float32
+    assert_close(y, numpy_moe(x, w, e, gu, dn), atol=2e-5, name=path)
+
+
+def test_paths_agree_under_jit_and_skewed_routing(rng):
+    """Every token sends a slot to expert 0 (one full group, several empty ones), all paths jitted."""
+    N, H, E, k, I = 300, 16, 16, 2, 8
+    x, w, e, gu, dn = routed_inputs(rng, N, H, E, k, I)
+    e[:, 0] = 0
+    e[:, 1] = np.where(e[:, 1] == 0, 1, e[:, 1]) % 3 + 1  # experts 1..3 only; 4..15 receive nothing
+    ref = numpy_moe(x, w, e, gu, dn)
+    for name, fn in PATHS.items():
+        assert_close(jax.jit(fn)(x, w, e, gu, dn), ref, atol=2e-5, name=name)
+
+
+def test_grouped_swiglu_methods_agree(rng):
+    E, H, I = 5, 12, 8
+    gu, dn = expert_weights(rng, E, H, I)
+    group_sizes = np.array([0, 7, 0, 130, 3], np.int32)
+    xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
+    starts = np.concatenate([[0], np.cumsum(group_sizes)[:-1]])
+    ref = np.zeros(xs.shape)
+    for e in range(E):
+        rows = slice(starts[e], starts[e] + group_sizes[e])
+        ref[rows] = numpy_moe(xs[rows], np.ones((group_sizes[e], 1)), np.full((group_sizes[e], 1), e), gu, dn)
+    for method, tile in [("tiles", 128), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
+        y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
+        assert_close(y, ref, atol=2e-5, name=f"{method} tile {tile}")
+
+
+def test_capacity_drops_counted(rng):
+    N, H, E, k, I = 64, 8, 4, 2, 4
+    x, w, e, gu, dn = routed_inputs(rng, N, H, E, k, I)
+    e[: N // 2, 0] = 0  # overload expert 0 with the first half of the tokens
+    e[: N // 2, 1] = np.where(e[: N // 2, 1] == 0, 1, e[: N // 2, 1])
+    for cf in (0.5, 1.0, 1.25, 2.0):
+        C = math.ceil(cf * N * k / E)
+        assert moe.capacity(N, E, k, cf) == min(C, N)
+        # numpy: walk tokens in order, keep a slot while its expert has room
+        used = np.zeros(E, int)
+        keep = np.zeros((N, k), bool)
+        for n in range(N):
+            for j in range(k):
+                if used[e[n, j]] < C:
+                    keep[n, j] = True
+                    used[e[n, j]] += 1
+        y, stats = moe.experts_capacity(x, w, e, gu, dn, capacity_factor=cf)
+        assert int(stats.dropped) == int((~keep).sum()), cf
+        assert_close(stats.drop_rate, (~keep).sum() / (N * k), atol=1e-7, name="drop rate")
+        np.testing.assert_array_equal(np.asarray(stats.dropped_per_expert),
+                                      np.bincount(e[~keep], minlength=E))
+        assert stats.capacity == min(C, N)
+        assert_close(y, numpy_moe(x, w * keep, e, gu, dn), atol=2e-5, name=f"y at cf={cf}")
+    assert int(stats.dropped) == 0  # cf = 2 covers the overload here: nothing dropped
+    y_big, stats_big = jax.jit(lambda *a: moe.experts_capacity(*a, capacity_factor=8.0))(x, w, e, gu, dn)
+    assert int(stats_big.dropped) == 0
+    assert_close(y_big, moe.experts_dense(x, w, e, gu, dn), atol=2e-5, name="big capacity == dense")
+
+
+def test_path_input_checks(rng):
+    x, w, e, gu, dn = routed_inputs(rng, 5, 8, 4, 2, 6)
+    with pytest.raises(ValueError, match=r"x must be \[N, H\]"):
+        moe.experts_sorted(x[None], w, e, gu, dn)
+    with pytest.raises(ValueError, match=r"down must be \[E, H, I\]"):
+        moe.experts_dense(x, w, e, gu, dn[:, :, :-1])
+    with pytest.raises(ValueError, match=r"gate_up .* hidden size"):
+        moe.experts_capacity(x[:, :-1], w, e, gu, dn)
+    with pytest.raises(ValueError, match=r"experts .* and weights .* must both be \[N, k\]"):
+        moe.experts_dense(x, w, e[:, :1], gu, dn)
+    with pytest.raises(ValueError, match="integer expert ids"):
+        moe.experts_dense(x, w, e.astype(np.float32), gu, dn)
+    with pytest.raises(ValueError, match="cannot exceed E"):
+        moe.experts_dense(x, np.ones((5, 5), np.float32), np.zeros((5, 5), np.int32), gu, dn)
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        moe.grouped_swiglu(x, np.array([5], np.int32), gu, dn)
+    with pytest.raises(ValueError, match="method"):
+        moe.grouped_swiglu(x, np.array([5, 0, 0, 0], np.int32), gu, dn, method="magic")
+    with pytest.raises(ValueError, match="capacity_factor must be positive"):
+        moe.experts_capacity(x, w, e, gu, dn, capacity_factor=0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Statistics and the aux loss
+def test_expert_load():
+    experts = np.array([[0, 1], [0, 2], [0, 1]], np.int32)
+    load = moe.expert_load(experts, 4)
+    np.testing.assert_array_equal(np.asarray(load.tokens_per_expert), [3, 2, 1, 0])
+    assert float(load.imbalance) == pytest.approx(3 / 1.5)
+
+
+@pytest.mark.parametrize("E,k,L", [(8, 2, 3), (6, 3, 2), (16, 1, 1)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_aux_loss_matches_transformers(rng, E, k, L, masked):
+    B, T = 3, 7
+    layers = [(2.0 * rng.standard_normal((B * T, E))).astype(np.float32) for _ in range(L)]
+    mask = (rng.uniform(size=(B, T)) > 0.3).astype(np.int64) if masked else None
+    ref = hf.load_balancing_loss_func(tuple(to_torch(g) for g in layers), E, k,
+                                      None if mask is None else to_torch(mask)).item()
+    for form in (layers, np.stack(layers), np.concatenate(layers)):
+        aux = moe.load_balancing_loss(form, E, k, attention_mask=mask)
+        assert_close(aux, ref, atol=1e-5, name="aux")
+    assert_close(jax.jit(moe.load_balancing_loss, static_argnums=(1, 2))(layers, E, k), hf.load_balancing_loss_func(
+        tuple(to_torch(g) for g in layers), E, k).item(), atol=1e-5, name="aux under jit")
+
+
+def test_aux_loss_uniform_and_collapsed():
+    """transformers' f_e counts tokens (Σ_e f_e = k) and P_e sums to 1, so aux = k whenever the counts are
+    balanced (f_e = k/E) or the probabilities are uniform (P_e = 1/E), whatever top-k picks among exact ties;
+    all tokens on the same k experts with probability ~1/k each gives aux = E, its maximum."""
+    E, k = 8, 2
+    equal = np.zeros((48, E), np.float32)  # P_e = 1/E exactly
+    # balanced counts: token n prefers experts n, n+1 (mod E) by a hair, so each expert is chosen 2·6 times
+    balanced = np.stack([np.roll(np.linspace(1e-3, 0, E), s) for s in range(E)] * 6).astype(np.float32)
+    for name, logits in (("equal probabilities", equal), ("balanced counts", balanced)):
+        aux = moe.load_balancing_loss([logits], E, k)
+        ref = hf.load_balancing_loss_func((to_torch(logits),), E, k).item()
+        assert_close(aux, k, atol=1e-4, name=name)
+        assert_close(aux, ref, atol=1e-6, name=f"{name} vs transformers")
+    counts = moe.expert_load(jax.lax.top_k(balanced, k)[1], E).tokens_per_expert
+    np.testing.assert_array_equal(np.asarray(counts), np.full(E, 48 * k // E))  # the counts really are balanced
+    collapsed = np.tile(np.array([20.0] * k + [0.0] * (E - k), np.float32), (10, 1))
+    assert_close(moe.load_balancing_loss([collapsed], E, k), E, atol=1e-3, name="collapsed aux")
+
+
+def test_aux_loss_input_checks():
+    with pytest.raises(ValueError, match="empty list"):
+        moe.load_balancing_loss([], 4, 2)
+    with pytest.raises(ValueError, match="E = 4"):
+        moe.load_balancing_loss(np.zeros((3, 5)), 4, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        moe.load_balancing_loss(np.zeros((3, 4)), 4, 5)
+    with pytest.raises(ValueError, match="attention_mask"):
+        moe.load_balancing_loss(np.zeros((6, 4)), 4, 2, attention_mask=np.ones((4,)))
+
+
+def test_flops():
+    f = moe.moe_flops(N=4096, H=512, E=32, k=4, I=256, capacity_factor=1.25)
+    assert f["dense"] / f["sorted"] == 32 / 4
+    assert f["capacity"] / f["sorted"] == pytest.approx(1.25)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The layer against transformers
+def hf_config(cfg: qwen35.Qwen35Config) -> Qwen3_5MoeTextConfig:
+    c = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    c._attn_implementation = "eager"
+    return c
+
+
+def hf_block_from(block: moe.SparseMoeBlock, cfg) -> hf.Qwen3_5MoeSparseMoeBlock:
+    ref = hf.Qwen3_5MoeSparseMoeBlock(hf_config(cfg)).eval()
+    ours = dict(nnx.to_flat_state(nnx.state(block, nnx.Param)))
+    theirs = dict(ref.named_parameters())
+    assert sorted(".".join(map(str, k)) for k in ours) == sorted(theirs)  # same names ...
+    with torch.no_grad():
+        for path, v in ours.items():
+            t = theirs[".".join(map(str, path))]
+            assert tuple(t.shape) == tuple(v[...].shape), path  # ... and shapes
+            t.copy_(to_torch(v[...]))
+    return ref
+
+
+@pytest.mark.parametrize("preset,impl", [("tiny", "sorted"), ("odd", "sorted"), ("tiny", "dense"), ("odd", "capacity")])
+def test_block_matches_transformers(rng, preset, impl):
+    cfg = qwen35.tiny() if preset == "tiny" else qwen35.tiny(**ODD)
+    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(1), impl=impl,
+                               capacity_factor=float(cfg.num_experts) if impl == "capacity" else None)
+    # Larger router weights than the init so routing is decisive and uneven (some experts get more).
+    block.gate.weight[...] = jnp.asarray(0.3 * rng.standard_normal(block.gate.weight.shape), jnp.float32)
+    ref = hf_block_from(block, cfg)
+    x = rng.standard_normal((2, 13, cfg.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        y_ref = ref(to_torch(x)).numpy()
+        logits_ref = ref.gate(to_torch(x))[0].numpy()
+    y, logits = nnx.jit(lambda m, x: m(x))(block, x)
+    assert y.shape == x.shape and logits.shape == (26, cfg.num_experts) and logits.dtype == jnp.float32
+    assert_close(y, y_ref, atol=1e-5, name=f"{preset} {impl} y")
+    assert_close(logits, logits_ref, atol=1e-5, name="router logits")
+
+
+def test_block_options_and_checks():
+    cfg = qwen35.tiny()
+    with pytest.raises(ValueError, match="impl must be one of"):
+        moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="fast")
+    with pytest.raises(ValueError, match="only applies to impl='capacity'"):
+        moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), capacity_factor=2.0)
+    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="capacity")
+    assert block.capacity_factor == 1.25
+    with pytest.raises(ValueError, match=r"expects x \[B, T, 64\]"):
+        block(jnp.zeros((3, 64)))
+    bf16 = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+    y, logits = bf16(jnp.ones((1, 3, 64), jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
+    no_shared = moe.SparseMoeBlock(cfg.replace(shared_expert_intermediate_size=0), rngs=nnx.Rngs(0))
+    assert no_shared.shared_expert is None and no_shared(jnp.ones((1, 2, 64)))[0].shape == (1, 2, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+def test_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    """benchmarks/moe.py main runs on tiny shapes and prints its table (no timing assertions)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--quick", "--tokens", "32", "--repeats", "1", "--no-save"])
+    out = capsys.readouterr().out
+    assert "dense (one-hot)" in out and "grouped_swiglu ragged_dot" in out
+    assert {r["name"] for r in result["rows"]} >= {"dense (one-hot)", "sorted + tiles", "sorted + ragged_dot"}
+    assert result["rows"][0]["speedup_vs_dense"] == 1.0
