@@ -120,6 +120,78 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, *, initial_state=None, scale=No
     return jnp.moveaxis(o, 0, 1).astype(dtype), S
 
 
+def _unit_lower_inverse(A: jax.Array, base: int = 16) -> jax.Array:
+    """(I + A)⁻¹ for strictly lower triangular A [..., n, n], in matmuls only (no triangular solve).
+
+    Blocks of up to `base` rows use the Neumann product: with L = -A nilpotent (Lⁿ = 0),
+    (I - L)⁻¹ = I + L + L² + … = (I + L)(I + L²)(I + L⁴)… . Bigger matrices are split in halves,
+    [[M₁₁, 0], [A₂₁, M₂₂]]⁻¹ = [[T₁₁, 0], [-T₂₂ A₂₁ T₁₁, T₂₂]], with both diagonal halves inverted by one
+    batched call when they have equal size. On CPU this is several times faster than a batched
+    `triangular_solve` (which also leaves the right-hand sides to be multiplied in afterwards)."""
+    n = A.shape[-1]
+    if n <= base:
+        L = -A
+        P = jnp.eye(n, dtype=A.dtype) + L
+        p = 2
+        while p < n:  # P = (I + L)(I + L²)…(I + L^(p/2)) holds the powers up to L^(p-1)
+            L = L @ L
+            P = P + P @ L
+            p *= 2
+        return P
+    h = n // 2
+    A11, A21, A22 = A[..., :h, :h], A[..., h:, :h], A[..., h:, h:]
+    if n == 2 * h:
+        T = _unit_lower_inverse(jnp.stack([A11, A22]), base)
+        T11, T22 = T[0], T[1]
+    else:
+        T11, T22 = _unit_lower_inverse(A11, base), _unit_lower_inverse(A22, base)
+    T21 = -(T22 @ (A21 @ T11))
+    top = jnp.concatenate([T11, jnp.zeros(T11.shape[:-1] + (n - h,), A.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([T21, T22], axis=-1)], axis=-2)
+
+
+# Tokens handled per step of the chunked rule's outer loop (a whole number of chunks, at most _MAX_CHUNKS_PER_STEP).
+_BLOCK_TOKENS = 256
+_MAX_CHUNKS_PER_STEP = 8
+
+
+def _chunk_block(q, k, v, g, beta, S, C):
+    """The chunked rule over one block of L = m·C tokens: q, k [B, L, H, Dk] (normalised, scaled), v [B, L, H, Dv],
+    g, beta [B, L, H], all float32, S [B, H, Dk, Dv]. Returns (o [B, L, H, Dv], S after the block)."""
+    B, L, H, Dk = q.shape
+    Dv = v.shape[-1]
+    m = L // C
+
+    def chunks(x):  # [B, L, H, ...] -> [m, B, H, C, ...]: chunk-major, so chunk j is the contiguous x[j]
+        return jnp.moveaxis(x.reshape(B, m, C, H, *x.shape[3:]), (1, 3), (0, 2))
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = jnp.cumsum(g, axis=-1)  # [m, B, H, C]: log of the decay from the chunk start to position i
+    G_last = G[..., -1:]
+    lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
+    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
+    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [m, B, H, C, C]
+    kT = jnp.swapaxes(k, -1, -2)  # [m, B, H, Dk, C]: both products below are plain (M×K)·(K×N) GEMMs
+    kb = k * beta[..., None]
+    A = jnp.where(jnp.tril(lower, -1), (kb @ kT) * decay, 0.0)  # strictly lower
+    QK = (q @ kT) * decay  # causal, diagonal included
+    Tinv = _unit_lower_inverse(A)  # M⁻¹, M = I + A
+    U = Tinv @ (v * beta[..., None])  # [m, B, H, C, Dv]
+    W = Tinv @ (kb * jnp.exp(G)[..., None])  # [m, B, H, C, Dk]
+    q_dec = q * jnp.exp(G)[..., None]
+    kT_dec = jnp.swapaxes(k * jnp.exp(G_last - G)[..., None], -1, -2)  # [m, B, H, Dk, C]
+    chunk_decay = jnp.exp(G_last)[..., None]  # [m, B, H, 1, 1]
+
+    # The only sequential part: m chunks, unrolled (m is small), 4 small GEMMs each.
+    outs = []
+    for j in range(m):
+        v_new = U[j] - W[j] @ S
+        outs.append(q_dec[j] @ S + QK[j] @ v_new)  # old state's read + the chunk's own contribution
+        S = S * chunk_decay[j] + kT_dec[j] @ v_new
+    o = jnp.stack(outs)  # [m, B, H, C, Dv]
+    return jnp.moveaxis(o, (0, 2), (1, 3)).reshape(B, L, H, Dv), S
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=None, scale=None, use_qk_l2norm=False):
     """The chunked (WY / UT-transform) gated delta rule: the same result as the recurrent form, with the work
     inside each chunk of C tokens done as matmuls and only the [Dk, Dv] state carried between chunks.
@@ -132,6 +204,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=Non
       S ← exp(G_C) S + (K ⊙ exp(G_C − G))ᵀ V'
     T is zero-padded up to a multiple of C (g = 0 and beta = 0 there: decay 1, no write).
 
+    How it is laid out for speed (measured on CPU; see benchmarks/gdn.py): a `fori_loop` walks the sequence in
+    blocks of a few chunks (256 tokens); each step slices its block out of the inputs, does the per-chunk work
+    of all its chunks as batched GEMMs (M⁻¹ explicitly, by `_unit_lower_inverse`, then U and W as products),
+    runs the few state updates, and writes its outputs into the result in place. Working per block keeps every
+    intermediate small (a few MB whatever T is): whole-sequence [N, C, C] / [N, C, D] intermediates cost more
+    in memory traffic and page faults than their matmuls.
+
     Returns (o [B, T, H, Dv] in q's dtype, final_state [B, H, Dk, Dv] float32)."""
     _check(q, k, v, g, beta, initial_state)
     if chunk_size < 1:
@@ -140,70 +219,61 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, chunk_size=64, initial_state=Non
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
     C = chunk_size
-    q, k = _prep_qk(q, k, scale, use_qk_l2norm)
-    v, g, beta = v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
+    L = C * max(1, min(_MAX_CHUNKS_PER_STEP, _BLOCK_TOKENS // C))  # tokens per loop step
+    S = jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
-    pad = (-T) % C
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
-    N = (T + pad) // C
+    def prep(q, k, v, g, beta):
+        q, k = _prep_qk(q, k, scale, use_qk_l2norm)
+        return q, k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)
 
-    # [B, T, H, D] -> [B, H, N, C, D]
-    def chunks(x):
-        return jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, *x.shape[3:])
+    out = jnp.zeros((B, T, H, Dv), dtype)
+    n_full = T // L
+    if n_full:
+        def step(i, carry):
+            out, S = carry
+            blk = [jax.lax.dynamic_slice_in_dim(x, i * L, L, axis=1) for x in (q, k, v, g, beta)]
+            o, S = _chunk_block(*prep(*blk), S, C)
+            return jax.lax.dynamic_update_slice_in_dim(out, o.astype(dtype), i * L, axis=1), S
 
-    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    G = jnp.cumsum(g, axis=-1)  # [B, H, N, C]: log of the decay from the chunk start to position i
-    lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
-    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
-    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [B, H, N, C, C]
-
-    kb = k * beta[..., None]
-    A = jnp.einsum("bhncd,bhnsd->bhncs", kb, k) * decay
-    M = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), A, 0.0) + jnp.eye(C, dtype=jnp.float32)
-    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(G)[..., None]], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(M, rhs, left_side=True, lower=True, unit_diagonal=True)
-    U, W = sol[..., :Dv], sol[..., Dv:]  # [B, H, N, C, Dv], [B, H, N, C, Dk]
-
-    intra = jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay  # causal, diagonal included
-    q_dec = q * jnp.exp(G)[..., None]
-    G_last = G[..., -1:]  # [B, H, N, 1]
-    k_dec = k * jnp.exp(G_last - G)[..., None]
-    chunk_decay = jnp.exp(G_last[..., 0])  # [B, H, N]
-
-    S0 = jnp.zeros((B, H, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
-
-    def body(S, xs):
-        U_n, W_n, k_n, d_n = xs
-        v_new = U_n - jnp.einsum("bhck,bhkv->bhcv", W_n, S)
-        S_next = S * d_n[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_n, v_new)
-        return S_next, (S, v_new)
-
-    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (U, W, k_dec, chunk_decay))
-    S, (S_prev, v_new) = jax.lax.scan(body, S0, xs)
-    S_prev, v_new = jnp.moveaxis(S_prev, 0, 2), jnp.moveaxis(v_new, 0, 2)  # [B,H,N,Dk,Dv], [B,H,N,C,Dv]
-    # Outputs of all chunks at once, outside the sequential loop: the old state's read plus the chunk's own.
-    o = jnp.einsum("bhnck,bhnkv->bhncv", q_dec, S_prev) + jnp.einsum("bhncs,bhnsv->bhncv", intra, v_new)
-    o = jnp.moveaxis(o.reshape(B, H, N * C, Dv), 1, 2)[:, :T]
-    return o.astype(dtype), S
+        out, S = jax.lax.fori_loop(0, n_full, step, (out, S))
+    rest = T - n_full * L
+    if rest:  # the last partial block, zero-padded to whole chunks
+        pad = (-rest) % C
+        blk = [x[:, n_full * L:] for x in (q, k, v, g, beta)]
+        blk = [jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2)) for x in blk]
+        o, S = _chunk_block(*prep(*blk), S, C)
+        out = jax.lax.dynamic_update_slice_in_dim(out, o[:, :rest].astype(dtype), n_full * L, axis=1)
+    return out, S
 
 
 def gdn_flops(T: int, H: int, Dk: int, Dv: int, chunk_size: int = 64, *, B: int = 1) -> dict[str, float]:
-    """Multiply-add FLOPs (2 per MAC) of the two forms, for B sequences of T tokens and H heads."""
-    rec = 2 * T * H * B * (3 * Dk * Dv) + T * H * B * Dk * Dv  # read, write, output (+ decay)
+    """FLOPs (2 per multiply-add) of the two forms of the rule, for B sequences of T tokens and H heads.
+
+    "recurrent": per token the state read Sᵀk, the rank-1 write and the output read Sᵀq (3·Dk·Dv multiply-adds)
+    plus the decay of S (Dk·Dv multiplies).
+    "chunked": the useful work of the chunked algorithm at `chunk_size` C, per chunk (N = ceil(T / C) chunks):
+    the triangular products at their triangular size — A = (βK)Kᵀ strictly lower C(C−1)/2·Dk, QKᵀ lower
+    C(C+1)/2·Dk, the unit-triangular solve for U and W C(C−1)/2·(Dv+Dk), the intra-chunk output C(C+1)/2·Dv —
+    and the state products W·S, Q·S and Kᵀ·V' (C·Dk·Dv each). It leaves out what an implementation adds on
+    top: the masked-out halves of the dense C×C products, forming M⁻¹ explicitly, exps and elementwise work.
+    "chunked_executed": what `chunk_gated_delta_rule` here actually multiplies: dense C×C products, the
+    explicit inverse (Neumann blocks of 16 and halving merges, approximately) and M⁻¹ applied as a dense GEMM.
+    Speeds quoted as "% of peak" use "chunked"."""
+    rec = 2 * T * H * B * (3 * Dk * Dv) + T * H * B * Dk * Dv
     C = chunk_size
     N = math.ceil(T / C)
-    per_chunk = 2 * (
-        C * C * Dk  # A = (βK)Kᵀ
-        + C * C * Dk  # QKᵀ
-        + C * C * (Dv + Dk) / 2  # triangular solve (half a dense product)
-        + C * Dk * Dv  # W S
-        + C * Dk * Dv  # Kᵀ V'
-        + C * Dk * Dv  # Q S
-        + C * C * Dv  # intra · V'
-    )
-    return {"recurrent": float(rec), "chunked": float(per_chunk * N * H * B)}
+    tri_strict, tri = C * (C - 1) / 2, C * (C + 1) / 2
+    state = 3 * C * Dk * Dv
+    useful = tri_strict * Dk + tri * Dk + tri_strict * (Dv + Dk) + tri * Dv + state
+    b = min(C, 16)  # explicit inverse: log2(b) - 1 squarings + products per base block, 2 products per merge
+    inv = (C / b) * 2 * max(0, math.ceil(math.log2(b)) - 1) * b**3
+    s = b
+    while s < C:
+        inv += (C / (2 * s)) * 2 * s**3
+        s *= 2
+    executed = 2 * C * C * Dk + C * C * (Dv + Dk) + C * C * Dv + state + inv
+    return {"recurrent": float(rec), "chunked": float(2 * useful * N * H * B),
+            "chunked_executed": float(2 * executed * N * H * B)}
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ __all__ = [
     "route",
     "experts_dense",
     "experts_sorted",
+    "experts_gather",
     "experts_capacity",
     "grouped_swiglu",
     "sort_by_expert",
@@ -259,6 +260,20 @@ def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", 
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
 
 
+@jax.jit
+def experts_gather(x, weights, experts, gate_up, down):
+    """Decode-sized batches: gather each slot's expert weights ([M, 2I, H] and [M, H, I]) and do M small
+    matrix-vector products. Reads only the experts the slots use, with no sort, padding or loop; the right
+    schedule when M = N·k is at most about E (a decode step), where the weight reads dominate."""
+    x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
+    N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
+    e = experts.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # [M, H]
+    h = jnp.einsum("mh,mih->mi", xs, gate_up[e].astype(x.dtype))  # [M, 2I]
+    y = jnp.einsum("mi,mhi->mh", _swiglu(h), down[e].astype(x.dtype))  # [M, H]
+    return jnp.sum(y.reshape(N, k, H) * weights.astype(x.dtype)[..., None], axis=1)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Path 3: capacity factor
 class CapacityStats(NamedTuple):
@@ -443,7 +458,8 @@ class SparseMoeBlock(nnx.Module):
     `experts.down_proj` [E, H, I], `shared_expert.{gate,up}_proj.weight` [Is, H], `shared_expert.down_proj.weight`
     [H, Is], `shared_expert_gate.weight` [1, H].
 
-    `impl` picks the expert path: "sorted" (default), "dense" or "capacity" (with `capacity_factor`, default
+    `impl` picks the expert path: "sorted" (default; a decode-sized batch with N·k <= E takes `experts_gather`,
+    the same sum with the used experts' weights gathered), "dense" or "capacity" (with `capacity_factor`, default
     1.25; its drop statistics are available from `experts_capacity`). `grouped_method` is passed to
     `grouped_swiglu` by the sorted path. `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
@@ -483,6 +499,8 @@ class SparseMoeBlock(nnx.Module):
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":
             return experts_capacity(x, weights, experts, gu, dn, capacity_factor=self.capacity_factor)[0]
+        if x.shape[0] * self.top_k <= self.num_experts:  # decode-sized: gather the used experts' weights
+            return experts_gather(x, weights, experts, gu, dn)
         return experts_sorted(x, weights, experts, gu, dn, method=self.grouped_method)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,34 @@
+"""Smoke test of benchmarks/gdn.py at tiny sizes: it runs, and its JSON has the expected keys and sane numbers."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "gdn.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    if not BENCH.exists():
+        pytest.skip("benchmarks/gdn.py not in this checkout")
+    spec = importlib.util.spec_from_file_location("bench_gdn", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gdn_benchmark_smoke(bench, tmp_path):
+    out = tmp_path / "gdn.json"
+    res = bench.run([64, 128], H=2, Dk=16, Dv=16, chunk_size=32, repeats=1, peak_n=128, peak_repeats=1,
+                    json_path=out)
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "gdn" and saved["rows"] == json.loads(json.dumps(res["rows"]))
+    assert saved["device"]["kind"] and saved["machine"]["backend"]
+    assert saved["matmul_peak_gflops"] > 0
+    assert [r["T"] for r in saved["rows"]] == [64, 128]
+    for r in saved["rows"]:
+        for key in ("recurrent_ms", "chunked_ms", "speedup", "recurrent_gflop", "chunked_gflop", "recurrent_gflops",
+                    "chunked_gflops", "recurrent_pct_peak", "chunked_pct_peak"):
+            assert r[key] > 0, key
