@@ -1,0 +1,555 @@
+"""Sharding for Qwen3.5: meshes, the logical-axis rules table, packed routing metadata, expert-parallel MoE with
+two token-exchange schemes, a hierarchical reduce-scatter, and the communication bytes each scheme costs.
+
+Mesh axes used here (any subset, in any order):
+  data    data parallelism: whole sequences per device, attention (GQA and GDN weights) replicated
+  expert  expert parallelism: E / n experts per device
+  chip, core   a two-level device mesh (4 Ironwood chips x 2 TensorCores); tokens and experts split over both
+  model   tensor parallelism (attention heads, vocab, shared-expert width), the alternative the workload rejects
+
+Sharding is data: `LOGICAL_RULES` maps every logical axis (batch, experts, heads, kv_heads, vocab, ...) to the mesh
+axes that split it, `param_logical_axes` names the logical axes of each parameter by its checkpoint name, and
+`logical_to_spec` turns both into a `PartitionSpec` for a given mesh (mesh axes the mesh lacks are dropped, so one
+table serves every mesh). `check_mesh` says up front when a mesh cannot hold a config (the error names the fix).
+
+Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes, t tokens per device, N_g = n·t):
+
+  "allgather" (the workload's choice; deterministic: no capacity, nothing dropped, fixed message sizes)
+      x [t, H], routing packed into one int32 [t, 2k]  --all_gather(expert)-->  [N_g, H], [N_g, 2k]
+      local experts only (slots routed elsewhere get weight 0)                   y_partial [N_g, H]
+      --psum_scatter(expert)-->  y [t, H]   (hierarchical: inside a chip first, then across chips)
+      each device sends (n-1)·t·(2·H·b + 2k·4) bytes.
+
+  "alltoall" (capacity-based dispatch, as in GShard/Switch)
+      x [t, H] -> buffers [n, E/n, C, H], C = ceil(cf·t·k/E)  --all_to_all-->  [n (source), E/n, C, H]
+      local experts  --all_to_all back-->  [E, C, H]  -> weighted combine; slots past C are dropped (counted)
+      each device sends 2·(n-1)·(E/n)·C·H·b bytes.
+
+`moe_comm_bytes` gives those figures from shapes; `hlo_collective_bytes` reads them off a compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from qwen35.config import ConfigError, Qwen35Config
+from qwen35.moe import capacity as moe_capacity
+from qwen35.moe import experts_dense, experts_sorted, sort_by_expert
+
+__all__ = [
+    "ShardingError",
+    "make_mesh",
+    "LOGICAL_RULES",
+    "PARAM_LOGICAL_AXES",
+    "mesh_axes_for",
+    "logical_to_spec",
+    "param_logical_axes",
+    "param_specs",
+    "check_mesh",
+    "pack_routing",
+    "unpack_routing",
+    "EPStats",
+    "moe_ep",
+    "hierarchical_psum_scatter",
+    "moe_comm_bytes",
+    "hlo_collective_bytes",
+    "SCHEMES",
+]
+
+SCHEMES = ("allgather", "alltoall")
+LOCAL_IMPLS = ("sorted", "dense")
+
+
+class ShardingError(ConfigError):
+    """A mesh, rule or shape that cannot be sharded as asked; the message names the problem and the fix."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Meshes
+def make_mesh(*, devices: Sequence[Any] | None = None, axis_types: str = "auto", **axes: int) -> Mesh:
+    """A device mesh from named axis sizes, in the order given: `make_mesh(data=8)`, `make_mesh(data=2, expert=4)`,
+    `make_mesh(chip=4, core=2)` (the last axis varies fastest: devices 2c and 2c+1 share chip c).
+
+    The product of the sizes must equal the number of devices (`devices`, default all of `jax.devices()`).
+    `axis_types` "auto" (default: the compiler propagates shardings, as jit has always done) or "explicit"
+    (jax 0.10's sharding-in-types; `jax.make_mesh`'s own default)."""
+    if not axes:
+        raise ShardingError("make_mesh needs at least one axis, e.g. make_mesh(data=8) or make_mesh(data=2, expert=4)")
+    for name, size in axes.items():
+        if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+            raise ShardingError(f"mesh axis {name}={size!r} must be a positive integer")
+    if axis_types not in ("auto", "explicit"):
+        raise ShardingError(f"axis_types must be 'auto' or 'explicit', got {axis_types!r}")
+    devs = list(jax.devices() if devices is None else devices)
+    want = math.prod(axes.values())
+    if want != len(devs):
+        desc = " x ".join(f"{k}={v}" for k, v in axes.items())
+        raise ShardingError(
+            f"make_mesh({desc}) needs {want} devices but there are {len(devs)} ({devs[0].platform}); make the "
+            f"axis sizes multiply to {len(devs)}. To try 8 devices on a CPU, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count=8 (or jax.config.update('jax_num_cpu_devices', 8)) "
+            f"before jax starts.")
+    kind = AxisType.Auto if axis_types == "auto" else AxisType.Explicit
+    return jax.make_mesh(tuple(int(v) for v in axes.values()), tuple(axes), axis_types=(kind,) * len(axes),
+                         devices=devs)
+
+
+def _axes_desc(mesh: Mesh, axes: Sequence[str]) -> str:
+    return "×".join(f"{a}={mesh.shape[a]}" for a in axes) or "no axis"
+
+
+def _axes_size(mesh: Mesh, axes: Sequence[str]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The rules table: logical axis -> mesh axes that split it (in order; those a mesh lacks are skipped)
+LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # activations
+    ("batch", ("data", "chip", "core", "expert")),  # tokens / sequences: every non-model axis (attention DP)
+    ("length", ()),
+    # MoE
+    ("experts", ("expert", "chip", "core")),  # EP: whole experts per device
+    ("expert_mlp", ()),  # routed width I; tensor-parallel MoE would map it to "model" (needs gate/up regrouped)
+    ("mlp", ("model",)),  # shared-expert width Is
+    # attention
+    ("heads", ("model",)),  # query heads (q_proj rows: per head q_h then gate_h, so whole heads stay together)
+    ("kv_heads", ("model",)),
+    ("head_dim", ()),
+    # Gated DeltaNet: replicated (q|k|v are concatenated in in_proj_qkv and conv1d, so a contiguous split would
+    # not give whole heads; TP for GDN needs a regrouped layout)
+    ("gdn_qkv", ()),
+    ("gdn_heads", ()),
+    # the rest
+    ("vocab", ("model",)),
+    ("hidden", ()),
+    ("norm", ()),
+    ("conv", ()),
+)
+
+
+def _rules_dict(rules) -> dict[str, tuple[str, ...]]:
+    items = rules.items() if isinstance(rules, Mapping) else rules
+    out = {}
+    for logical, mesh_axes in items:
+        if mesh_axes is None:
+            mesh_axes = ()
+        elif isinstance(mesh_axes, str):
+            mesh_axes = (mesh_axes,)
+        out[logical] = tuple(mesh_axes)
+    return out
+
+
+def mesh_axes_for(logical: str, mesh: Mesh | None = None, rules=LOGICAL_RULES) -> tuple[str, ...]:
+    """The mesh axes that split `logical` on `mesh` (all the rule's axes if mesh is None)."""
+    table = _rules_dict(rules)
+    if logical not in table:
+        raise ShardingError(f"no rule for logical axis {logical!r}; known: {sorted(table)}. Add a row to the rules.")
+    axes = table[logical]
+    return axes if mesh is None else tuple(a for a in axes if a in mesh.axis_names)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules=LOGICAL_RULES, mesh: Mesh | None = None) -> P:
+    """PartitionSpec for an array whose dimensions have these logical names (None = replicated dimension).
+
+    Each logical axis takes the mesh axes its rule lists that the mesh has and that no earlier dimension of the
+    same array took (a mesh axis can split only one dimension)."""
+    used: set[str] = set()
+    entries = []
+    for logical in logical_axes:
+        if logical is None:
+            entries.append(None)
+            continue
+        axes = tuple(a for a in mesh_axes_for(logical, mesh, rules) if a not in used)
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*entries)
+
+
+# Parameter name (suffix of the checkpoint name) -> logical axes of its dimensions.
+PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    ("embed_tokens.weight", ("vocab", "hidden")),
+    ("lm_head.weight", ("vocab", "hidden")),
+    ("self_attn.q_proj.weight", ("heads", "hidden")),  # [Hq·Dh·2, H]
+    ("self_attn.k_proj.weight", ("kv_heads", "hidden")),  # [Hkv·Dh, H]
+    ("self_attn.v_proj.weight", ("kv_heads", "hidden")),
+    ("self_attn.o_proj.weight", ("hidden", "heads")),  # [H, Hq·Dh]
+    ("linear_attn.in_proj_qkv.weight", ("gdn_qkv", "hidden")),
+    ("linear_attn.conv1d.weight", ("gdn_qkv", None, "conv")),  # [conv_dim, 1, Kc]
+    ("linear_attn.in_proj_z.weight", ("gdn_heads", "hidden")),
+    ("linear_attn.in_proj_a.weight", ("gdn_heads", "hidden")),
+    ("linear_attn.in_proj_b.weight", ("gdn_heads", "hidden")),
+    ("linear_attn.out_proj.weight", ("hidden", "gdn_heads")),
+    ("linear_attn.A_log", ("gdn_heads",)),
+    ("linear_attn.dt_bias", ("gdn_heads",)),
+    ("mlp.gate.weight", (None, "hidden")),  # the router: every device routes its own tokens over all E
+    ("mlp.experts.gate_up_proj", ("experts", None, None)),  # [E, 2I, H]
+    ("mlp.experts.down_proj", ("experts", None, None)),  # [E, H, I]
+    ("mlp.shared_expert.gate_proj.weight", ("mlp", "hidden")),
+    ("mlp.shared_expert.up_proj.weight", ("mlp", "hidden")),
+    ("mlp.shared_expert.down_proj.weight", ("hidden", "mlp")),
+    ("mlp.shared_expert_gate.weight", (None, "hidden")),
+    ("input_layernorm.weight", ("norm",)),
+    ("post_attention_layernorm.weight", ("norm",)),
+    ("q_norm.weight", ("head_dim",)),
+    ("k_norm.weight", ("head_dim",)),
+    ("norm.weight", ("norm",)),  # the final model.norm and the GDN gated norm (linear_attn.norm)
+)
+
+
+def param_logical_axes(name: str, shape: Sequence[int] | None = None) -> tuple[str | None, ...]:
+    """Logical axes of the parameter called `name` (a checkpoint name such as
+    "model.layers.0.mlp.experts.gate_up_proj" -> ("experts", None, None)). With `shape`, checks the rank."""
+    for suffix, axes in PARAM_LOGICAL_AXES:
+        if name == suffix or name.endswith("." + suffix):
+            if shape is not None and len(shape) != len(axes):
+                raise ShardingError(f"parameter {name} has shape {tuple(shape)} but its rule {suffix!r} names "
+                                    f"{len(axes)} axes {axes}")
+            return axes
+    raise ShardingError(f"no logical axes known for parameter {name!r}; add a row to PARAM_LOGICAL_AXES")
+
+
+def _path_name(path) -> str:
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+        if k == "value":  # nnx.Variable's payload
+            continue
+        parts.append(str(k))
+    return ".".join(parts)
+
+
+def param_specs(params, mesh: Mesh, rules=LOGICAL_RULES, config: Qwen35Config | None = None):
+    """A PartitionSpec for every array leaf of `params` (e.g. `nnx.state(model, nnx.Param)`), named by its path,
+    same tree structure. Raises `ShardingError` naming the parameter when a split does not divide its dim.
+
+    Shapes alone cannot see a split through the middle of a head (k_proj's Hkv·Dh rows divide by 4 even with 2
+    KV heads): pass `config` to run `check_mesh` first."""
+    if config is not None:
+        check_mesh(config, mesh, rules)
+
+    def spec(path, leaf):
+        name = _path_name(path)
+        axes = param_logical_axes(name, leaf.shape)
+        s = logical_to_spec(axes, rules, mesh)
+        for dim, (size, entry) in enumerate(zip(leaf.shape, s)):
+            if entry is None:
+                continue
+            names = (entry,) if isinstance(entry, str) else entry
+            n = _axes_size(mesh, names)
+            if size % n:
+                raise ShardingError(f"{name} {tuple(leaf.shape)}: dim {dim} ({axes[dim]}, size {size}) cannot be "
+                                    f"split over {_axes_desc(mesh, names)}; change the mesh or the rule for "
+                                    f"{axes[dim]!r}")
+        return s
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def check_mesh(config: Qwen35Config, mesh: Mesh, rules=LOGICAL_RULES) -> None:
+    """Raise `ShardingError` when `mesh` (under `rules`) would split a dimension of `config`'s model unevenly."""
+    c = config
+    sizes = {
+        "experts": (c.num_experts, "experts"),
+        "kv_heads": (c.num_key_value_heads, "KV heads"),
+        "heads": (c.num_attention_heads, "attention heads"),
+        "vocab": (c.vocab_size, "vocabulary entries"),
+        "mlp": (c.shared_expert_intermediate_size, "shared-expert channels"),
+        "expert_mlp": (c.moe_intermediate_size, "expert channels"),
+        "hidden": (c.hidden_size, "hidden channels"),
+        "gdn_heads": (c.linear_num_value_heads, "GDN value heads"),
+    }
+    for logical, (size, what) in sizes.items():
+        axes = mesh_axes_for(logical, mesh, rules)
+        n = _axes_size(mesh, axes)
+        if n == 1 or size % n == 0:
+            continue
+        where = _axes_desc(mesh, axes)
+        if logical == "experts":
+            ok = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
+            raise ShardingError(f"{size} experts cannot be split over {where}; use an expert-axis size that "
+                                f"divides {size} ({', '.join(map(str, ok))}, ...)")
+        if logical in ("kv_heads", "heads"):
+            raise ShardingError(f"{size} {what} cannot be split over {where}; replicate attention with data "
+                                f"parallelism (put those devices on 'data'/'expert' instead of 'model', e.g. "
+                                f"make_mesh(data={n}) or make_mesh(expert={n}))")
+        raise ShardingError(f"{size} {what} ({logical}) cannot be split over {where}; choose a size that divides "
+                            f"{size} or map {logical!r} to no mesh axis in the rules")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Packed routing metadata: expert ids and weights in one int32 array, so one all-gather moves both
+def pack_routing(experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """experts [N, k] int32, weights [N, k] float32 -> [N, 2k] int32: ids, then the weights' bits
+    (`lax.bitcast_convert_type`, no rounding)."""
+    experts, weights = jnp.asarray(experts), jnp.asarray(weights)
+    if experts.ndim != 2 or experts.shape != weights.shape:
+        raise ValueError(f"experts and weights must both be [N, k], got {experts.shape} and {weights.shape}")
+    if weights.dtype != jnp.float32:
+        raise ValueError(f"weights must be float32 (bit-cast into int32), got {weights.dtype}")
+    bits = jax.lax.bitcast_convert_type(weights, jnp.int32)
+    return jnp.concatenate([experts.astype(jnp.int32), bits], axis=-1)
+
+
+def unpack_routing(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[N, 2k] int32 -> (experts [N, k] int32, weights [N, k] float32), bit-exact inverse of `pack_routing`."""
+    packed = jnp.asarray(packed)
+    if packed.ndim != 2 or packed.shape[1] % 2 or packed.dtype != jnp.int32:
+        raise ValueError(f"packed routing must be int32 [N, 2k], got {packed.dtype} {packed.shape}")
+    k = packed.shape[1] // 2
+    return packed[:, :k], jax.lax.bitcast_convert_type(packed[:, k:], jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hierarchical reduce-scatter
+def hierarchical_psum_scatter(x: jax.Array, inner_axis: str, outer_axis: str, *, scatter_dimension: int = 0):
+    """Reduce-scatter over two mesh axes in two steps: inside the inner group first (the cores of one chip, fast
+    links), then across the outer one (chips) with 1/a of the data. Call inside `shard_map`.
+
+    Equal to the flat `lax.psum_scatter(x, (outer_axis, inner_axis), scatter_dimension=..., tiled=True)`:
+    the device at (outer o, inner i) gets block o·a + i of the sum (a = inner size; outer-major, the order of
+    the flat version and of `all_gather(..., (outer_axis, inner_axis), tiled=True)`). A plain inner-then-outer
+    pair of psum_scatters would give it block i·b + o; the blocks are permuted first so the orders agree.
+
+    Bytes each device sends (ring model, x of X bytes, b = outer size): (a-1)/a·X on-chip + (b-1)/(a·b)·X across
+    chips, against (ab-1)/(ab)·X for the flat version, most of which would cross chips."""
+    a, b = jax.lax.axis_size(inner_axis), jax.lax.axis_size(outer_axis)
+    x = jnp.moveaxis(x, scatter_dimension, 0)
+    M = x.shape[0]
+    if M % (a * b):
+        raise ValueError(f"dimension {scatter_dimension} of size {M} must be a multiple of {outer_axis}×{inner_axis}"
+                         f" = {a * b} to be scattered")
+    rest = x.shape[1:]
+    x = x.reshape(b, a, M // (a * b), *rest).swapaxes(0, 1).reshape(M, *rest)  # block o·a+i -> position i·b+o
+    y = jax.lax.psum_scatter(x, inner_axis, scatter_dimension=0, tiled=True)  # [M/a]: blocks (o, i) for all o
+    y = jax.lax.psum_scatter(y, outer_axis, scatter_dimension=0, tiled=True)  # [M/(ab)]: block (o, i)
+    return jnp.moveaxis(y, 0, scatter_dimension)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert-parallel MoE
+class EPStats(NamedTuple):
+    """dropped: slots past capacity over all devices (int32; 0 for "allgather"); drop_rate: dropped / (N·k);
+    capacity: C, rows per (source device, expert) buffer (None for "allgather")."""
+
+    dropped: jax.Array
+    drop_rate: jax.Array
+    capacity: int | None
+
+
+def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
+    """[t, k] position of each slot among this device's slots to the same expert, in token order."""
+    order, group_sizes = sort_by_expert(experts, num_experts)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    flat = experts.reshape(-1)
+    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
+    return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
+
+
+def _local_experts(x, weights, experts, gate_up, down, impl):
+    if impl == "dense":
+        return experts_dense(x, weights, experts, gate_up, down)
+    return experts_sorted(x, weights, experts, gate_up, down)
+
+
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, all_axes, impl, hierarchical):
+    """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts."""
+    xg = jax.lax.all_gather(x, ex_axes, axis=0, tiled=True)  # [N_g, H]
+    e, w = unpack_routing(jax.lax.all_gather(packed, ex_axes, axis=0, tiled=True))  # one all-gather for both
+    El = gate_up.shape[0]
+    lo = jax.lax.axis_index(ex_axes) * El
+    local = (e >= lo) & (e < lo + El)
+    # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
+    y = _local_experts(xg, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up, down,
+                       impl)
+    if hierarchical:
+        y = hierarchical_psum_scatter(y, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
+    else:
+        y = jax.lax.psum_scatter(y, ex_axes, scatter_dimension=0, tiled=True)
+    return y, jnp.zeros((), jnp.int32)
+
+
+def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, all_axes, C):
+    t, H = x.shape
+    k = experts.shape[1]
+    El = gate_up.shape[0]
+    n = jax.lax.axis_size(ex_axes)
+    E = n * El
+    dtype = x.dtype
+    rank = _rank_in_expert(experts, E)
+    keep = rank < C
+    row = jnp.where(keep, rank, C)  # out of bounds: dropped on the way in, 0 on the way out
+    token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    buf = jnp.zeros((E, C, H), dtype).at[experts, row].set(x[token], mode="drop")  # expert e = d·El + l
+    recv = jax.lax.all_to_all(buf.reshape(n, El, C, H), ex_axes, 0, 0, tiled=True)  # [n source, El, C, H]
+    h = jnp.einsum("slch,lih->slci", recv, gate_up.astype(dtype))
+    g, u = jnp.split(h, 2, axis=-1)
+    out = jnp.einsum("slci,lhi->slch", jax.nn.silu(g) * u, down.astype(dtype))
+    back = jax.lax.all_to_all(out, ex_axes, 0, 0, tiled=True).reshape(E, C, H)  # [n target, El, C, H] -> [E, C, H]
+    y_slots = back.at[experts, row].get(mode="fill", fill_value=0)  # [t, k, H]
+    y = jnp.einsum("nk,nkh->nh", (weights * keep).astype(dtype), y_slots)
+    dropped = jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), all_axes)
+    return y.astype(dtype), dropped
+
+
+@functools.lru_cache(maxsize=64)
+def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, C, impl, hierarchical):
+    tok = P(tok_axes, None)
+    wspec = P(ex_axes, None, None)
+    all_axes = tuple(mesh.axis_names)
+    if scheme == "allgather":
+        body = functools.partial(_allgather_body, ex_axes=ex_axes, all_axes=all_axes, impl=impl,
+                                 hierarchical=hierarchical)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, wspec, wspec), out_specs=(tok, P()),
+                          check_vma=False)
+
+        def run(x, weights, experts, gate_up, down):
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down)
+    else:
+        body = functools.partial(_alltoall_body, ex_axes=ex_axes, all_axes=all_axes, C=C)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec), out_specs=(tok, P()),
+                          check_vma=False)
+        run = f
+    return jax.jit(run)
+
+
+def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
+           capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
+           hierarchical: bool | None = None, return_stats: bool = False):
+    """Expert-parallel routed-expert sum: the same `(x [N, H], weights [N, k], experts [N, k], gate_up [E, 2I, H],
+    down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map` over `mesh`.
+
+    Experts split over the mesh axes of the "experts" rule (`expert`, or `chip`×`core`); tokens over those of
+    "batch" (which must include the expert axes: every device owns t = N / devices tokens). `scheme`:
+      "allgather"  all-gather tokens + packed routing over the expert axes, local experts, reduce-scatter back.
+                   Exact (no capacity). `local_impl` "sorted" (grouped path; it computes all N_g·k gathered slots,
+                   the non-local ones with weight 0 — a grouped-matmul kernel with a group offset would skip
+                   them) or "dense" (every local expert on every gathered token). With two expert axes the
+                   reduce-scatter is hierarchical (`hierarchical=None` = auto).
+      "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (default 1.25, capped at t),
+                   all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
+                   (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
+                   expert, in token order, like `experts_capacity` on its shard.
+    With `return_stats`, returns (y, EPStats)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if local_impl not in LOCAL_IMPLS:
+        raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
+    x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
+    if x.ndim != 2 or weights.shape != experts.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"expected x [N, H], weights and experts [N, k]; got {x.shape}, {weights.shape}, "
+                         f"{experts.shape}")
+    N, _ = x.shape
+    k = experts.shape[1]
+    E = gate_up.shape[0]
+    ex_axes = mesh_axes_for("experts", mesh, rules)
+    tok_axes = mesh_axes_for("batch", mesh, rules)
+    if not ex_axes:
+        raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to "
+                            f"({mesh_axes_for('experts', None, rules)}); e.g. make_mesh(expert=8)")
+    missing = [a for a in ex_axes if a not in tok_axes]
+    if missing:
+        raise ShardingError(f"tokens must be split over the expert axes too, but the 'batch' rule lacks {missing}")
+    n = _axes_size(mesh, ex_axes)
+    if E % n:
+        raise ShardingError(f"{E} experts cannot be split over {_axes_desc(mesh, ex_axes)}; use an expert-axis "
+                            f"size that divides {E}")
+    n_tok = _axes_size(mesh, tok_axes)
+    if N % n_tok:
+        raise ShardingError(f"{N} tokens cannot be split over {_axes_desc(mesh, tok_axes)} = {n_tok} devices; pad "
+                            f"the batch to a multiple of {n_tok}")
+    t = N // n_tok
+    if hierarchical is None:
+        hierarchical = len(ex_axes) == 2
+    if hierarchical and len(ex_axes) != 2:
+        raise ShardingError(f"hierarchical reduce-scatter needs exactly two expert axes (outer, inner), got {ex_axes}")
+    if scheme == "alltoall":
+        C = moe_capacity(t, E, k, 1.25 if capacity_factor is None else capacity_factor)
+    else:
+        if capacity_factor is not None:
+            raise ValueError("capacity_factor applies to scheme='alltoall' only; 'allgather' drops nothing")
+        C = None
+    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, C, local_impl, bool(hierarchical))
+    if scheme == "allgather":
+        y, dropped = f(x, weights, experts, gate_up, down)
+    else:
+        y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
+    if not return_stats:
+        return y
+    return y, EPStats(dropped, dropped / (N * k), C)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Communication accounting
+def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int, scheme: str,
+                   dtype_bytes: int = 2, capacity_factor: float = 1.25) -> dict[str, int]:
+    """Bytes each device sends per MoE layer (ring collectives: an all-gather or reduce-scatter over n devices
+    moves (n-1)/n of the full buffer out of each device; an all-to-all sends all but the own 1/n).
+
+    "allgather": tokens (n-1)·t·H·b + packed routing (n-1)·t·2k·4 + reduce-scatter of outputs (n-1)·t·H·b.
+    "alltoall":  two all-to-alls of [n, E/n, C, H] at b bytes: 2·(n-1)·(E/n)·C·H·b, C = capacity(t, E, k, cf).
+    Returns a dict of the parts and "total"."""
+    c, t, n, b = config, int(tokens_per_device), int(n_devices), int(dtype_bytes)
+    H, E, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
+    if E % n:
+        raise ShardingError(f"{E} experts cannot be split over {n} devices")
+    if scheme == "allgather":
+        parts = {
+            "all_gather_tokens": (n - 1) * t * H * b,
+            "all_gather_routing": (n - 1) * t * 2 * k * 4,
+            "reduce_scatter": (n - 1) * t * H * b,
+        }
+    elif scheme == "alltoall":
+        C = moe_capacity(t, E, k, capacity_factor)
+        one = (n - 1) * (E // n) * C * H * b
+        parts = {"all_to_all_dispatch": one, "all_to_all_combine": one}
+    else:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
+_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(all-gather|reduce-scatter|all-to-all)\(")
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+def _group_size(line: str) -> int:
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[\d+,(\d+)\]", line)  # iota form [groups, size]<=[...]
+    if m:
+        return int(m.group(1))
+    raise ValueError(f"cannot read the replica groups of: {line.strip()[:200]}")
+
+
+def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes each device sends in the all-gathers, reduce-scatters and all-to-alls of a compiled HLO module
+    (`jax.jit(f).lower(...).compile().as_text()`), by the ring model of `moe_comm_bytes`, read off each op's
+    result shape and replica-group size n: all-gather (n-1)/n·result, reduce-scatter (n-1)·result, all-to-all
+    (n-1)/n·result. Synchronous ops only (as CPU emits); keys "all-gather", "reduce-scatter", "all-to-all",
+    "total", and "ops" (how many ops were counted)."""
+    out = {"all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "ops": 0}
+    for line in hlo_text.splitlines():
+        m = _COLLECTIVE.search(line)
+        if not m:
+            continue
+        result, op = m.groups()
+        nbytes = sum(_DTYPE_BYTES[d] * math.prod(int(s) for s in dims.split(",") if s)
+                     for d, dims in _ARRAY.findall(result))
+        n = _group_size(line)
+        out[op] += (n - 1) * nbytes if op == "reduce-scatter" else (n - 1) * nbytes // n
+        out["ops"] += 1
+    out["total"] = out["all-gather"] + out["reduce-scatter"] + out["all-to-all"]
+    return out

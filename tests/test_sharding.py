@@ -1,0 +1,262 @@
+"""qwen35.sharding on 8 fake CPU devices (tests/conftest.py), against independent references: the unsharded MoE
+(`SparseMoeBlock`, `experts_dense`, `experts_capacity`), the flat `lax` collectives, numpy, and the compiled HLO."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from qwen35 import config as C
+from qwen35 import sharding as S
+from qwen35.model import Qwen35ForCausalLM
+from qwen35.moe import SparseMoeBlock, experts_capacity, experts_dense, route
+
+MESHES = {"expert8": dict(expert=8), "data2_expert4": dict(data=2, expert=4)}
+
+
+def test_eight_fake_devices():
+    assert len(jax.devices()) == 8
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Meshes, rules, validation
+def test_make_mesh_axes_and_device_count_error():
+    for axes in (dict(data=8), dict(data=2, expert=4), dict(chip=4, core=2)):
+        mesh = S.make_mesh(**axes)
+        assert dict(mesh.shape) == axes and tuple(mesh.axis_names) == tuple(axes)
+    chip_core = S.make_mesh(chip=4, core=2)
+    assert [[d.id for d in row] for row in chip_core.devices] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(S.ShardingError,
+                       match=r"needs 6 devices but there are 8.*xla_force_host_platform_device_count=8"):
+        S.make_mesh(data=2, expert=3)
+    assert dict(S.make_mesh(expert=3, devices=jax.devices()[:3]).shape) == {"expert": 3}
+
+
+def test_logical_to_spec_follows_the_rules_table():
+    dp_ep = S.make_mesh(data=2, expert=4)
+    assert S.logical_to_spec(("batch", "hidden"), S.LOGICAL_RULES, dp_ep) == P(("data", "expert"), None)
+    assert S.logical_to_spec(("experts", None, None), S.LOGICAL_RULES, dp_ep) == P("expert", None, None)
+    assert S.logical_to_spec(("kv_heads", "hidden"), S.LOGICAL_RULES, dp_ep) == P(None, None)  # no model axis
+    cc = S.make_mesh(chip=4, core=2)
+    assert S.logical_to_spec(("experts", None, None), S.LOGICAL_RULES, cc) == P(("chip", "core"), None, None)
+    tp = S.make_mesh(data=2, model=4)
+    assert S.logical_to_spec(("vocab", "hidden"), S.LOGICAL_RULES, tp) == P("model", None)
+    # A mesh axis splits at most one dimension of an array: the first logical axis that asks for it gets it.
+    assert S.logical_to_spec(("batch", "experts"), S.LOGICAL_RULES, S.make_mesh(expert=8)) == P("expert", None)
+    # A rules mapping works too, and unknown logical axes are named.
+    assert S.logical_to_spec(("batch",), {"batch": "data"}, dp_ep) == P("data")
+    with pytest.raises(S.ShardingError, match="no rule for logical axis 'sequence'"):
+        S.logical_to_spec(("sequence",), S.LOGICAL_RULES, dp_ep)
+
+
+def test_param_logical_axes_and_specs_for_every_parameter():
+    assert S.param_logical_axes("model.layers.3.mlp.experts.gate_up_proj", (8, 64, 64)) == ("experts", None, None)
+    assert S.param_logical_axes("model.layers.3.self_attn.k_proj.weight") == ("kv_heads", "hidden")
+    with pytest.raises(S.ShardingError, match="no logical axes known for parameter 'model.foo.weight'"):
+        S.param_logical_axes("model.foo.weight")
+    with pytest.raises(S.ShardingError, match="has shape"):
+        S.param_logical_axes("model.norm.weight", (3, 4))
+
+    cfg = C.tiny()  # 8 experts, 4 query / 2 KV heads
+    abstract = nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    specs = S.param_specs(params, S.make_mesh(data=2, expert=4))
+    flat = {S._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    assert len(flat) == len(jax.tree.leaves(params))
+    for name, spec in flat.items():
+        want = P("expert", None, None) if ".mlp.experts." in name else None
+        if want is not None:
+            assert spec == want, name
+        else:  # data + expert parallelism: everything else replicated
+            assert all(e is None for e in spec), (name, spec)
+    tp = S.make_mesh(data=2, model=4)
+    assert S.param_specs(params, tp)["model"]["embed_tokens"]["weight"].value == P("model", None)
+    # 64 rows of k_proj divide by 4, but they are 2 heads of 32: only the config knows
+    with pytest.raises(S.ShardingError, match="2 KV heads cannot be split over model=4"):
+        S.param_specs(params, tp, config=cfg)
+    few = nnx.state(nnx.eval_shape(lambda: Qwen35ForCausalLM(C.tiny(num_experts=4), rngs=nnx.Rngs(0))), nnx.Param)
+    with pytest.raises(S.ShardingError, match=r"mlp.experts.down_proj \(4, 64, 32\): dim 0 \(experts, size 4\) "
+                                              r"cannot be split over expert=8"):
+        S.param_specs(few, S.make_mesh(expert=8))
+
+
+def test_check_mesh_names_the_problem_and_the_fix():
+    big = C.qwen35_397b_a17b()
+    S.check_mesh(big, S.make_mesh(expert=8))
+    S.check_mesh(big, S.make_mesh(data=2, expert=4))
+    S.check_mesh(big, S.make_mesh(chip=4, core=2))
+    with pytest.raises(S.ShardingError, match="512 experts cannot be split over expert=3"):
+        S.check_mesh(big, S.make_mesh(expert=3, devices=jax.devices()[:3]))
+    with pytest.raises(S.ShardingError, match="2 KV heads cannot be split over model=8; replicate attention with "
+                                               "data parallelism"):
+        S.check_mesh(big, S.make_mesh(model=8))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Packed routing metadata
+def test_pack_routing_round_trip_is_bit_exact(rng):
+    experts = jnp.asarray(rng.integers(0, 512, size=(7, 10)), jnp.int32)
+    w = rng.random((7, 10)).astype(np.float32)
+    w[0, :6] = [0.0, -0.0, np.inf, np.nan, np.finfo(np.float32).tiny / 8, 1.0]  # sign of zero, NaN, subnormal
+    packed = S.pack_routing(experts, jnp.asarray(w))
+    assert packed.shape == (7, 20) and packed.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(packed[:, 10:]), w.view(np.int32))  # numpy's reinterpretation
+    e2, w2 = S.unpack_routing(packed)
+    np.testing.assert_array_equal(np.asarray(e2), np.asarray(experts))
+    np.testing.assert_array_equal(np.asarray(w2).view(np.int32), w.view(np.int32))
+    with pytest.raises(ValueError, match="float32"):
+        S.pack_routing(experts, jnp.asarray(w, jnp.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert-parallel MoE
+def _moe_block(num_experts=16):
+    cfg = C.tiny(num_experts=num_experts)
+    return cfg, SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="dense")
+
+
+def _sharded_block(block, x, mesh, **kw):
+    """SparseMoeBlock's forward with the routed experts through moe_ep (router and shared expert data-parallel)."""
+    B, T, H = x.shape
+    x_nh = x.reshape(B * T, H)
+    w, e, _ = route(x_nh, block.gate.weight[...], block.top_k)
+    y, stats = S.moe_ep(x_nh, w, e, block.experts.gate_up_proj[...], block.experts.down_proj[...], mesh=mesh,
+                        return_stats=True, **kw)
+    shared = jax.nn.sigmoid(block.shared_expert_gate(x_nh)) * block.shared_expert(x_nh)
+    return (y + shared).reshape(B, T, H), stats
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_moe_ep_both_schemes_equal_the_unsharded_block(mesh_name, rng):
+    cfg, block = _moe_block(16)  # 16 experts: 2 per device on expert=8, 4 on data=2 x expert=4
+    mesh = S.make_mesh(**MESHES[mesh_name])
+    x = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32)  # 16 tokens: 2 per device
+    ref, _ = block(x)
+    y_ag, st = _sharded_block(block, x, mesh, scheme="allgather")
+    np.testing.assert_allclose(np.asarray(y_ag), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert int(st.dropped) == 0 and st.capacity is None
+    # Capacity factor E/k gives C = t (every slot of a device could go to one expert): nothing can drop.
+    cf = cfg.num_experts / cfg.num_experts_per_tok
+    y_a2a, st = _sharded_block(block, x, mesh, scheme="alltoall", capacity_factor=cf)
+    np.testing.assert_allclose(np.asarray(y_a2a), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert int(st.dropped) == 0 and st.capacity == 2
+
+
+def _routed_inputs(rng, N=32, H=16, E=16, k=2, I=8, skew=0.0):
+    x = jnp.asarray(rng.normal(size=(N, H)), jnp.float32)
+    router = rng.normal(size=(E, H)).astype(np.float32)
+    router[:2] += skew * x.mean(0)  # pull slots towards experts 0 and 1 (to overflow their capacity)
+    w, e, _ = route(x, jnp.asarray(router), k)
+    gu = jnp.asarray(0.3 * rng.normal(size=(E, 2 * I, H)), jnp.float32)
+    dn = jnp.asarray(0.3 * rng.normal(size=(E, H, I)), jnp.float32)
+    return x, w, e, gu, dn
+
+
+def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
+    x, w, e, gu, dn = _routed_inputs(rng)
+    ref = experts_dense(x, w, e, gu, dn)
+    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4), local_impl="dense")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    # chip x core: experts and tokens over both axes, reduce-scatter hierarchical (core first, then chip).
+    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(chip=4, core=2), local_impl="dense")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
+    E, k, cf = 16, 2, 1.0
+    x, w, e, gu, dn = _routed_inputs(rng, E=E, k=k, skew=3.0)
+    mesh = S.make_mesh(data=2, expert=4)
+    y, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="alltoall", capacity_factor=cf, return_stats=True)
+    t = x.shape[0] // 8
+    assert st.capacity == int(np.ceil(cf * t * k / E))
+    # numpy: per device (its t tokens), slots past C per expert are dropped.
+    e_np = np.asarray(e).reshape(8, t * k)
+    want = sum(np.maximum(np.bincount(row, minlength=E) - st.capacity, 0).sum() for row in e_np)
+    assert want > 0 and int(st.dropped) == want
+    np.testing.assert_allclose(float(st.drop_rate), want / e.size)
+    # the package's single-device capacity path on each device's shard (same C, same token-order drops)
+    shards = [experts_capacity(x[i * t:(i + 1) * t], w[i * t:(i + 1) * t], e[i * t:(i + 1) * t], gu, dn,
+                               capacity_factor=cf)[0] for i in range(8)]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.concatenate(shards)), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_ep_errors():
+    x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=12)
+    with pytest.raises(S.ShardingError, match="12 tokens cannot be split over data=2×expert=4 = 8 devices"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4))
+    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=8))
+    with pytest.raises(S.ShardingError, match="16 experts cannot be split over expert=3"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=3, devices=jax.devices()[:3]))
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), scheme="ring")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hierarchical reduce-scatter
+def _replica_groups(hlo: str, op: str) -> list[str]:
+    return re.findall(rf"{op}\(.*?replica_groups=(\{{[0-9,{{}}]*\}})", hlo)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_hierarchical_psum_scatter_equals_flat(dim):
+    mesh = S.make_mesh(chip=4, core=2)
+    spec = P(("chip", "core"))
+    shape = (8 * 16, 3) if dim == 0 else (8, 16 * 3)  # per device: [16, 3] scatter dim 0, or [1, 48] dim 1
+    x = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) % 97  # small ints: sums are exact
+
+    def hier(x):
+        return S.hierarchical_psum_scatter(x, "core", "chip", scatter_dimension=dim)
+
+    def flat(x):
+        return jax.lax.psum_scatter(x, ("chip", "core"), scatter_dimension=dim, tiled=True)
+
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec))  # noqa: E731
+    got, want = run(hier)(x), run(flat)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # numpy: device d = 2·chip + core holds block d of Σ over the 8 devices' inputs
+    total = np.asarray(x).reshape(8, shape[0] // 8, shape[1]).sum(0)
+    blocks = np.split(total, 8, axis=dim)
+    np.testing.assert_array_equal(np.asarray(got), np.concatenate(blocks, axis=0))
+    if dim == 0:  # two reduce-scatters: the cores of a chip (groups of 2) first, then the chips (groups of 4)
+        hlo = run(hier).lower(x).compile().as_text()
+        assert _replica_groups(hlo, "reduce-scatter") == ["{{0,1},{2,3},{4,5},{6,7}}", "{{0,2,4,6},{1,3,5,7}}"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Communication accounting
+def test_moe_comm_bytes_formula():
+    big = C.qwen35_397b_a17b()  # H 4096, E 512, k 10
+    ag = S.moe_comm_bytes(big, 128, 8, "allgather", dtype_bytes=2)
+    assert ag["all_gather_tokens"] == ag["reduce_scatter"] == 7 * 128 * 4096 * 2
+    assert ag["all_gather_routing"] == 7 * 128 * 20 * 4
+    a2a = S.moe_comm_bytes(big, 128, 8, "alltoall", dtype_bytes=2, capacity_factor=1.25)
+    C_ = int(np.ceil(1.25 * 128 * 10 / 512))  # 4 rows per (source, expert)
+    assert a2a["total"] == 2 * 7 * 64 * C_ * 4096 * 2
+
+
+@pytest.mark.parametrize("scheme", S.SCHEMES)
+def test_moe_comm_bytes_match_the_compiled_hlo(scheme):
+    cfg = C.tiny(num_experts=16)
+    N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    mesh = S.make_mesh(data=2, expert=4)  # EP groups of 4 devices, t = 32 / 8 = 4 tokens each
+    cf = 1.25 if scheme == "alltoall" else None
+    f = jax.jit(functools.partial(S.moe_ep, mesh=mesh, scheme=scheme, capacity_factor=cf, local_impl="dense"))
+    args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
+            jnp.zeros((E, H, I)))
+    hlo = f.lower(*args).compile().as_text()
+    got = S.hlo_collective_bytes(hlo)
+    want = S.moe_comm_bytes(cfg, 4, 4, scheme, dtype_bytes=4, capacity_factor=cf or 1.25)
+    assert got["total"] == want["total"]
+    if scheme == "allgather":  # tokens + packed routing (one all-gather for ids and weights) + reduce-scatter
+        assert got["ops"] == 3
+        assert got["all-gather"] == want["all_gather_tokens"] + want["all_gather_routing"]
+        assert got["reduce-scatter"] == want["reduce_scatter"]
+    else:
+        assert got["ops"] == 2 and got["all-to-all"] == want["total"]
