@@ -25,7 +25,7 @@ import numpy as np
 import qwen35
 from qwen35 import bench
 from qwen35.config import get_preset
-from qwen35.generate import generate
+from qwen35.generation import generate
 
 
 def decode_bytes_per_step(cfg, batch: int, dtype_bytes: int = 4) -> float:

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Qwen35ForCausalLM": "qwen35.model",
     "HybridCache": "qwen35.model",
-    "generate": "qwen35.generate",
+    "generate": "qwen35.generation",
     "load_hf_checkpoint": "qwen35.weights",
     "save_hf_checkpoint": "qwen35.weights",
     "load_tokenizer": "qwen35.weights",

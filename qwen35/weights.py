@@ -1,0 +1,599 @@
+"""Loading and saving Hugging Face safetensors checkpoints of Qwen3.5-MoE.
+
+    model = qwen35.load_hf_checkpoint("path/to/checkpoint")         # config.json + *.safetensors
+    qwen35.save_hf_checkpoint(model, "out/", expert_layout="per_expert", max_shard_size_bytes=2**30)
+    tok = qwen35.load_tokenizer("path/to/checkpoint")                # tokenizer.json, or None
+
+What the loader accepts (see /work/shared/MODEL.md, "The released checkpoint"):
+  * one `model.safetensors`, or shards listed by `model.safetensors.index.json`;
+  * the text-only key layout (`model.layers.*`, `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`)
+    and the released multimodal layout (`model.language_model.*` -> `model.*`; `model.visual.*` and `mtp.*` are
+    skipped: this package is the text decoder and does not run the MTP head);
+  * experts fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`) or per expert
+    (`mlp.experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`, `down_proj [H, I]`), which are written into a
+    preallocated fused [E, ...] host buffer expert by expert as they stream in;
+  * tied embeddings (`tie_word_embeddings`: no `lm_head.weight` in the file);
+  * the official FP8 format: float8_e4m3fn weights with one float32/bf16 scale per 128x128 block,
+    `<name>.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] (a leading [E] for fused experts), and
+    w = fp8 * scale_inv over each block (the name is historical: DeepSeek-V3's `weight_dequant` and transformers'
+    FineGrainedFP8 `Fp8Dequantize` both *multiply* by it). Partial edge blocks use the scale of their block.
+
+How it loads (memory): the model is first built abstractly with `nnx.eval_shape` (shapes only, no arrays), then
+every expected tensor is checked against the safetensors headers (names, shapes, dtypes) BEFORE any data is read:
+missing, unexpected and mis-shaped tensors are reported together in one `CheckpointError`. A config.json that does
+not match the tensors shows up as mis-shaped tensors. Then tensors are read one at a time from a read-only memory
+map of the file, converted (FP8 dequantisation, cast to `param_dtype`) and placed on device (`jax.device_put` with
+`shardings(name, shape)` when given), so the host never holds the checkpoint twice. Only when every parameter is
+in place is the module assembled (`nnx.merge`), so no half-loaded model is ever returned.
+
+The safetensors format is simple enough to read and write directly: 8 bytes little-endian header length, a JSON
+header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the raw row-major
+bytes. Reading it ourselves (with `ml_dtypes` for bfloat16 / float8, which `safe_open(framework="numpy")` cannot
+represent) gives a zero-copy memory map per file and validation from the header alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from qwen35.config import Qwen35Config
+from qwen35.model import Qwen35ForCausalLM
+
+__all__ = [
+    "CheckpointError",
+    "load_hf_checkpoint",
+    "save_hf_checkpoint",
+    "load_tokenizer",
+    "read_safetensors_header",
+    "fp8_block_dequantize",
+    "fp8_block_quantize",
+    "FP8_BLOCK",
+]
+
+FP8_BLOCK = 128  # the official release's block size (weight_block_size [128, 128])
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ST_TO_NP = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NP_TO_ST = {v: k for k, v in _ST_TO_NP.items()}
+_FLOAT_ST = ("F64", "F32", "F16", "BF16")
+_FP8_ST = ("F8_E4M3", "F8_E5M2")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model its config.json describes; the message lists every problem."""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# safetensors files: headers and memory-mapped tensors
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the safetensors header describes it."""
+
+    file: Path
+    dtype: str  # safetensors dtype string: "F32", "BF16", "F8_E4M3", ...
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+def read_safetensors_header(file: str | os.PathLike) -> dict[str, TensorInfo]:
+    """{name: TensorInfo} from a safetensors file's header (reads only the header bytes)."""
+    file = Path(file)
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise CheckpointError(f"{file} is not a safetensors file (shorter than 8 bytes)")
+        n = int.from_bytes(raw, "little")
+        if n <= 0 or n > 100 * 2**20:
+            raise CheckpointError(f"{file} is not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{file}: unreadable safetensors header ({e})") from None
+    base = 8 + n
+    out = {}
+    for name, d in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = d["data_offsets"]
+        out[name] = TensorInfo(file, d["dtype"], tuple(int(s) for s in d["shape"]), base + b, base + e)
+    return out
+
+
+class _Reader:
+    """Read-only memory maps of the checkpoint's files, one tensor at a time (zero-copy views)."""
+
+    def __init__(self):
+        self._maps: dict[Path, np.memmap] = {}
+
+    def get(self, info: TensorInfo) -> np.ndarray:
+        if info.dtype not in _ST_TO_NP:
+            raise CheckpointError(f"unsupported safetensors dtype {info.dtype} in {info.file}")
+        mm = self._maps.get(info.file)
+        if mm is None:
+            mm = self._maps[info.file] = np.memmap(info.file, dtype=np.uint8, mode="r")
+        dt = _ST_TO_NP[info.dtype]
+        count = math.prod(info.shape)
+        if info.end - info.begin != count * dt.itemsize or info.end > mm.shape[0]:
+            raise CheckpointError(f"{info.file}: tensor data of {info.shape} {info.dtype} is truncated or malformed")
+        return mm[info.begin:info.end].view(dt).reshape(info.shape)
+
+    def close(self):
+        self._maps.clear()  # the maps close when the last view of them is gone
+
+
+def _checkpoint_tensors(path: Path) -> dict[str, TensorInfo]:
+    """All tensors of the checkpoint folder {name: TensorInfo}, from the index (if any) and the file headers."""
+    index = path / INDEX_FILE
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = sorted(set(weight_map.values()))
+        missing_files = [fn for fn in files if not (path / fn).exists()]
+        if missing_files:
+            raise CheckpointError(f"{index} lists shard file(s) that are not in {path}: {missing_files}")
+        headers = {fn: read_safetensors_header(path / fn) for fn in files}
+        out, problems = {}, []
+        for name, fn in weight_map.items():
+            if name not in headers[fn]:
+                problems.append(f"  {name}: listed in the index under {fn}, but that file does not contain it")
+            else:
+                out[name] = headers[fn][name]
+        if problems:
+            raise CheckpointError(f"{index} does not match its shards:\n" + "\n".join(problems))
+        return out
+    if (path / SINGLE_FILE).exists():
+        return read_safetensors_header(path / SINGLE_FILE)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors in {path}")
+    out = {}
+    for fn in files:
+        for name, info in read_safetensors_header(fn).items():
+            if name in out:
+                raise CheckpointError(f"tensor {name} is in both {out[name].file.name} and {fn.name}")
+            out[name] = info
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FP8 block format
+def _blocks(n: int, block: int = FP8_BLOCK) -> int:
+    return -(-n // block)
+
+
+def fp8_block_dequantize(w: np.ndarray, scale_inv: np.ndarray, out_dtype=np.float32, *, block: int = FP8_BLOCK,
+                         out: np.ndarray | None = None) -> np.ndarray:
+    """Dequantise block-scaled FP8: w [..., R, C] float8, scale_inv [..., ceil(R/b), ceil(C/b)];
+    result[..., r, c] = float(w[..., r, c]) * scale_inv[..., r // b, c // b]. Leading dims are done one slice at a
+    time (a fused [E, 2I, H] expert tensor never exists in float32 all at once)."""
+    R, C = w.shape[-2:]
+    if tuple(scale_inv.shape) != (*w.shape[:-2], _blocks(R, block), _blocks(C, block)):
+        raise ValueError(f"scale_inv {tuple(scale_inv.shape)} does not match weight {tuple(w.shape)} "
+                         f"with {block}x{block} blocks")
+    if out is None:
+        out = np.empty(w.shape, out_dtype)
+    for idx in np.ndindex(*w.shape[:-2]):
+        s = np.asarray(scale_inv[idx], np.float32)
+        s = np.repeat(np.repeat(s, block, axis=0)[:R], block, axis=1)[:, :C]
+        out[idx] = (np.asarray(w[idx]).astype(np.float32) * s).astype(out.dtype)
+    return out
+
+
+def fp8_block_quantize(w: np.ndarray, *, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse, as the official release does it: per 128x128 block, scale_inv = amax / 448 (the float8_e4m3fn
+    maximum) and q = float8(w / scale_inv). Returns (q [..., R, C] float8_e4m3fn, scale_inv float32)."""
+    w = np.asarray(w, np.float32)
+    R, C = w.shape[-2:]
+    nr, nc = _blocks(R, block), _blocks(C, block)
+    pad = [(0, 0)] * (w.ndim - 2) + [(0, nr * block - R), (0, nc * block - C)]
+    wp = np.pad(w, pad).reshape(*w.shape[:-2], nr, block, nc, block)
+    amax = np.abs(wp).max(axis=(-3, -1))
+    fmax = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    scale = np.where(amax > 0, amax / fmax, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, block, axis=-2)[..., :R, :], block, axis=-1)[..., :C]
+    q = np.clip(w / full, -fmax, fmax).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The load plan: which checkpoint tensors make each model parameter
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SKIP_PREFIXES = ("model.visual.", "mtp.", "visual.")
+
+
+def _normalise_key(key: str) -> str | None:
+    """Checkpoint key -> text-decoder key (None: skipped, e.g. vision tower or MTP head)."""
+    if key.startswith(_SKIP_PREFIXES):
+        return None
+    if key.startswith("model.language_model."):
+        return "model." + key[len("model.language_model."):]
+    if key.startswith("language_model."):  # some multimodal exports drop the leading "model."
+        rest = key[len("language_model."):]
+        return rest if rest.startswith(("model.", "lm_head.")) else "model." + rest
+    return key
+
+
+@dataclass
+class _Source:
+    """A checkpoint tensor (and its FP8 scale, if any) feeding a slice of a model parameter."""
+
+    key: str  # normalised name
+    info: TensorInfo
+    scale: TensorInfo | None = None
+    # where it goes: None = the whole parameter; (e,) = expert e of a fused tensor; (e, slice) = rows of expert e
+    index: tuple | None = None
+
+
+@dataclass
+class _Plan:
+    sources: dict[str, list[_Source]] = field(default_factory=dict)  # param name -> sources
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    misshaped: list[str] = field(default_factory=list)
+    bad_dtype: list[str] = field(default_factory=list)
+
+
+def _expected_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*shape[:-2], _blocks(shape[-2]), _blocks(shape[-1]))
+
+
+def _plan(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], config: Qwen35Config) -> _Plan:
+    plan = _Plan()
+    # normalise names (keep the original for messages)
+    by_key: dict[str, tuple[str, TensorInfo]] = {}
+    for orig, info in tensors.items():
+        k = _normalise_key(orig)
+        if k is None:
+            continue
+        if k in by_key:
+            plan.unexpected.append(f"{orig} (duplicate of {by_key[k][0]})")
+            continue
+        by_key[k] = (orig, info)
+    used: set[str] = set()
+
+    def shown(k: str) -> str:
+        orig = by_key[k][0] if k in by_key else k
+        return orig if orig == k else f"{orig} (as {k})"
+
+    def take(k: str, shape: tuple[int, ...], param: str, index=None) -> bool:
+        """Check tensor k (and its scale) against `shape`; add it as a source of `param`. False if absent."""
+        if k not in by_key:
+            return False
+        used.add(k)
+        _, info = by_key[k]
+        scale = None
+        if info.dtype in _FP8_ST:
+            sk = k + "_scale_inv"
+            if sk not in by_key:
+                plan.missing.append(f"{sk} (the FP8 block scales of {k})")
+            else:
+                used.add(sk)
+                scale = by_key[sk][1]
+                want = _expected_scale_shape(shape)
+                if scale.shape != want:
+                    plan.misshaped.append(f"{shown(sk)}: expected {list(want)}, found {list(scale.shape)}")
+                if scale.dtype not in _FLOAT_ST:
+                    plan.bad_dtype.append(f"{shown(sk)}: dtype {scale.dtype} (scales must be float)")
+        elif info.dtype not in _FLOAT_ST:
+            plan.bad_dtype.append(f"{shown(k)}: dtype {info.dtype} (expected a float type)")
+        if info.shape != shape:
+            plan.misshaped.append(f"{shown(k)}: expected {list(shape)}, found {list(info.shape)}")
+        plan.sources.setdefault(param, []).append(_Source(k, info, scale, index))
+        return True
+
+    E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
+    for name, shape in expected.items():
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m and name not in by_key:
+            prefix, which = m.groups()
+            per = [f"{prefix}.{e}.{p}.weight" for e in range(E)
+                   for p in (("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",))]
+            if not any(k in by_key for k in per):
+                plan.missing.append(name + " (or its per-expert tensors)")
+                continue
+            for e in range(E):
+                if which == "gate_up_proj":
+                    ok_g = take(f"{prefix}.{e}.gate_proj.weight", (I, H), name, (e, slice(0, I)))
+                    ok_u = take(f"{prefix}.{e}.up_proj.weight", (I, H), name, (e, slice(I, 2 * I)))
+                    plan.missing += [f"{prefix}.{e}.{p}.weight" for p, ok in (("gate_proj", ok_g), ("up_proj", ok_u))
+                                     if not ok]
+                elif not take(f"{prefix}.{e}.down_proj.weight", (H, I), name, (e,)):
+                    plan.missing.append(f"{prefix}.{e}.down_proj.weight")
+            continue
+        if not take(name, shape, name):
+            plan.missing.append(name)
+    for k, (orig, _) in by_key.items():
+        if k in used:
+            continue
+        note = ""
+        if k == "lm_head.weight" and config.tie_word_embeddings:
+            note = " (config.json has tie_word_embeddings=true: the model has no lm_head)"
+        elif _PER_EXPERT.match(k) and int(_PER_EXPERT.match(k).group(2)) >= E:
+            note = f" (config.json has num_experts={E})"
+        plan.unexpected.append(shown(k) + note)
+    return plan
+
+
+def _plan_error(plan: _Plan, path: Path, config: Qwen35Config) -> CheckpointError | None:
+    parts = []
+    for title, items in (("missing", plan.missing), ("unexpected", plan.unexpected),
+                         ("mis-shaped (name: expected vs found)", plan.misshaped), ("wrong dtype", plan.bad_dtype)):
+        if items:
+            shown = items if len(items) <= 40 else items[:40] + [f"... and {len(items) - 40} more"]
+            parts.append(f"{len(items)} {title} tensor(s):\n" + "\n".join("  " + s for s in shown))
+    if not parts:
+        return None
+    hint = ""
+    if plan.misshaped:
+        hint = ("\nMis-shaped tensors usually mean config.json does not describe these weights (hidden_size, head "
+                "counts, expert width...); the model was built from it as: "
+                f"hidden_size={config.hidden_size}, num_hidden_layers={config.num_hidden_layers}, "
+                f"num_experts={config.num_experts}, moe_intermediate_size={config.moe_intermediate_size}.")
+    return CheckpointError(f"checkpoint {path} does not match its config:\n" + "\n".join(parts) + hint)
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _progress(iterable, total: int, desc: str, progress: bool | None):
+    enabled = progress if progress is not None else sys.stderr.isatty()
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="tensor", leave=False)
+
+
+def load_hf_checkpoint(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.float32,
+    param_dtype=None,
+    moe_impl: str = "sorted",
+    backend: str | None = None,
+    shardings: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
+    fp8: str = "dequantize",
+    progress: bool | None = None,
+) -> Qwen35ForCausalLM:
+    """Load a Hugging Face Qwen3.5-MoE safetensors checkpoint folder into a `Qwen35ForCausalLM`.
+
+    Args:
+      path: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards.
+      dtype: activation dtype of the model.
+      param_dtype: dtype of the parameters (default: `dtype`). Every tensor is cast to it as it is read.
+      moe_impl: expert path ("sorted", "dense", "capacity"), as in `Qwen35ForCausalLM`.
+      backend: overrides the config's `backend` ("xla" or "pallas").
+      shardings: `(name, shape) -> jax.sharding.Sharding | None`, called per parameter with its HF name (e.g.
+        "model.layers.0.mlp.experts.gate_up_proj"); the tensor is `jax.device_put` there (None: default device).
+      fp8: "dequantize" (default) turns FP8 weights + block scales into `param_dtype` on load. This is a CPU
+        reference implementation: its matmuls are plain `einsum`s on dequantised weights, which is also what
+        the parity tests compare. Keeping the FP8 weights and their scales for the expert matmuls (half the
+        memory of bf16, the way the 397B model fits a serving node) is the serving path that the kernels /
+        serving work adds; "keep" raises NotImplementedError until then.
+      progress: show a tqdm bar (default: only when stderr is a terminal).
+
+    Raises `CheckpointError` (a ValueError) listing every missing, unexpected and mis-shaped tensor, before any
+    tensor data is read. A `ConfigError` if config.json itself is invalid.
+    """
+    if fp8 == "keep":
+        raise NotImplementedError(
+            "fp8='keep' (FP8 weights + 128x128 block scales kept for the expert matmuls) is the serving path the "
+            "kernels/serving work adds; this reference loader only supports fp8='dequantize'."
+        )
+    if fp8 != "dequantize":
+        raise ValueError(f"fp8 must be 'dequantize' (or 'keep', not implemented yet), got {fp8!r}")
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a checkpoint folder")
+    config = Qwen35Config.from_hf(path, **({"backend": backend} if backend is not None else {}))
+    param_dtype = jnp.dtype(param_dtype or dtype)
+    np_param_dtype = np.dtype(param_dtype)
+
+    # 1. The model's shapes, without allocating anything.
+    abstract = nnx.eval_shape(
+        lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl)
+    )
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    params = {".".join(str(p) for p in path_): var for path_, var in flat}
+    expected = {name: tuple(var.get_value().shape) for name, var in params.items()}
+
+    # 2. Validate against the headers: no data read yet.
+    tensors = _checkpoint_tensors(path)
+    plan = _plan(expected, tensors, config)
+    err = _plan_error(plan, path, config)
+    if err is not None:
+        raise err
+
+    # 3. Stream: one parameter at a time, read -> convert -> place.
+    reader = _Reader()
+    values: dict[str, jax.Array] = {}
+    try:
+        for name in _progress(expected, len(expected), f"loading {path.name}", progress):
+            shape = expected[name]
+            sources = plan.sources[name]
+            if len(sources) == 1 and sources[0].index is None:
+                host = _convert(reader, sources[0], np_param_dtype)
+            else:  # per-expert tensors into a preallocated fused buffer
+                host = np.empty(shape, np_param_dtype)
+                for src in sources:
+                    _convert(reader, src, np_param_dtype, out=host[src.index])
+            sharding = shardings(name, shape) if shardings is not None else None
+            values[name] = jax.device_put(host, sharding) if sharding is not None else jax.device_put(host)
+            del host
+    finally:
+        reader.close()
+    if set(values) != set(expected):  # cannot happen after validation; never return a partial model
+        raise CheckpointError(f"internal error: parameters not loaded: {sorted(set(expected) - set(values))}")
+    for path_, var in flat:
+        var.set_value(values[".".join(str(p) for p in path_)])
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _convert(reader: _Reader, src: _Source, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """Read one checkpoint tensor, dequantise (FP8) or cast, into `out` (or a new array that owns its memory)."""
+    raw = reader.get(src.info)
+    if src.scale is not None:
+        scale = np.asarray(reader.get(src.scale), np.float32)
+        return fp8_block_dequantize(raw, scale, dtype, out=out)
+    if out is None:
+        return np.array(raw, dtype=dtype, copy=True)  # a copy: never alias the memory map
+    out[...] = raw.astype(dtype, copy=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Saving
+def _to_numpy(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x))
+
+
+def _save_items(model: Qwen35ForCausalLM, expert_layout: str):
+    """(name, shape, np dtype, producer) for every tensor to write, in the HF order; producers fetch lazily."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for path_, var in flat:
+        name = ".".join(str(p) for p in path_)
+        value = var.get_value()
+        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if m and expert_layout == "per_expert":
+            prefix, which = m.groups()
+            E = value.shape[0]
+            if which == "gate_up_proj":
+                I = value.shape[1] // 2
+                for e in range(E):
+                    yield (f"{prefix}.{e}.gate_proj.weight", (I, value.shape[2]), value.dtype,
+                           lambda v=value, e=e, I=I: _to_numpy(v[e, :I]))
+                    yield (f"{prefix}.{e}.up_proj.weight", (I, value.shape[2]), value.dtype,
+                           lambda v=value, e=e, I=I: _to_numpy(v[e, I:]))
+            else:
+                for e in range(E):
+                    yield (f"{prefix}.{e}.down_proj.weight", tuple(value.shape[1:]), value.dtype,
+                           lambda v=value, e=e: _to_numpy(v[e]))
+        else:
+            yield name, tuple(value.shape), value.dtype, lambda v=value: _to_numpy(v)
+
+
+def _write_safetensors(file: Path, items: list[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]):
+    """Write tensors to one safetensors file, fetching each only when its bytes are written."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for name, shape, dt, _ in items:
+        n = math.prod(shape) * dt.itemsize
+        header[name] = {"dtype": _NP_TO_ST[dt], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the format aligns the data to 8 bytes
+    tmp = file.with_suffix(file.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(hb).to_bytes(8, "little"))
+        f.write(hb)
+        for name, shape, dt, produce in items:
+            arr = np.ascontiguousarray(produce(), dtype=dt)
+            if arr.shape != shape:
+                raise RuntimeError(f"{name}: produced {arr.shape}, expected {shape}")
+            f.write(arr.tobytes())
+    os.replace(tmp, file)
+
+
+def save_hf_checkpoint(
+    model: Qwen35ForCausalLM,
+    path: str | os.PathLike,
+    *,
+    expert_layout: str = "fused",
+    max_shard_size_bytes: int | None = None,
+    dtype=None,
+) -> Path:
+    """Write `config.json` and safetensors weights that `transformers.Qwen3_5MoeForCausalLM.from_pretrained` and
+    `load_hf_checkpoint` both load.
+
+    expert_layout: "fused" (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, the in-memory layout
+      of transformers 5) or "per_expert" (`mlp.experts.{e}.gate_proj.weight` ..., what transformers' own
+      `save_pretrained` writes). dtype: cast every tensor (e.g. jnp.bfloat16); default: keep the model's.
+    max_shard_size_bytes: split into `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` when
+      the weights are larger (a single tensor larger than the limit gets a shard of its own).
+    Tensors are fetched from the device one at a time as they are written. Returns the folder.
+    """
+    if expert_layout not in ("fused", "per_expert"):
+        raise ValueError(f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    out_dt = None if dtype is None else np.dtype(jnp.dtype(dtype))
+    items = []
+    for name, shape, dt, produce in _save_items(model, expert_layout):
+        dt = np.dtype(dt) if out_dt is None else out_dt
+        if dt not in _NP_TO_ST:
+            raise ValueError(f"cannot write {name} as {dt} in safetensors")
+        items.append((name, shape, dt, produce))
+    sizes = [math.prod(s) * dt.itemsize for _, s, dt, _ in items]
+    total = sum(sizes)
+
+    hf = model.config.to_hf_dict()
+    hf["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                   np.dtype(np.float16): "float16"}.get(items[0][2], "float32")
+    with open(path / "config.json", "w") as f:
+        json.dump(hf, f, indent=2)
+    for stale in [path / SINGLE_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+
+    if max_shard_size_bytes is None or total <= max_shard_size_bytes:
+        _write_safetensors(path / SINGLE_FILE, items)
+        return path
+    shards: list[list] = [[]]
+    cur = 0
+    for item, n in zip(items, sizes):
+        if shards[-1] and cur + n > max_shard_size_bytes:
+            shards.append([])
+            cur = 0
+        shards[-1].append(item)
+        cur += n
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(path / fn, shard)
+        weight_map.update({name: fn for name, *_ in shard})
+    with open(path / INDEX_FILE, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------------------
+def load_tokenizer(path: str | os.PathLike):
+    """`tokenizers.Tokenizer` from `path/tokenizer.json` (or `path` itself if it is that file); None if absent.
+    Never downloads anything."""
+    p = Path(path)
+    file = p if p.is_file() else p / "tokenizer.json"
+    if not file.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(file))
+
