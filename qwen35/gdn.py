@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35.config import Qwen35Config
-from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNormGated
+from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNormGated, init_uniform
 
 __all__ = [
     "l2norm",
@@ -338,7 +338,7 @@ class DepthwiseConv1dWeight(nnx.Module):
 
     def __init__(self, channels: int, kernel: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         bound = 1.0 / math.sqrt(kernel)  # PyTorch's Conv1d default (fan_in = kernel for depthwise)
-        self.weight = nnx.Param(jax.random.uniform(rngs.params(), (channels, 1, kernel), param_dtype, -bound, bound))
+        self.weight = nnx.Param(init_uniform(rngs, (channels, 1, kernel), -bound, bound, param_dtype))
 
 
 class GatedDeltaNet(nnx.Module):
@@ -363,7 +363,7 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_a = Linear(H, self.num_v_heads, rngs=rngs, param_dtype=param_dtype)
         self.conv1d = DepthwiseConv1dWeight(self.conv_dim, c.linear_conv_kernel_dim, rngs=rngs, param_dtype=param_dtype)
         self.dt_bias = nnx.Param(jnp.ones((self.num_v_heads,), param_dtype))
-        A = jax.random.uniform(rngs.params(), (self.num_v_heads,), jnp.float32, 0.01, 16.0)
+        A = init_uniform(rngs, (self.num_v_heads,), 0.01, 16.0, jnp.float32)
         self.A_log = nnx.Param(jnp.log(A).astype(param_dtype))
         self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = Linear(self.value_dim, H, rngs=rngs, param_dtype=param_dtype, std=DEFAULT_INIT_STD)

@@ -28,7 +28,7 @@ from flax import nnx
 from qwen35.attention import GatedAttention, KVCache
 from qwen35.config import LINEAR, Qwen35Config
 from qwen35.gdn import GatedDeltaNet, GDNState
-from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNorm
+from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNorm, abstract_init, init_normal
 from qwen35.moe import SparseMoeBlock
 
 __all__ = ["HybridCache", "ModelOutput", "DecoderLayer", "Qwen35ForCausalLM", "forward_fn"]
@@ -68,7 +68,7 @@ class Embed(nnx.Module):
     """`embed_tokens.weight` [V, H]."""
 
     def __init__(self, vocab: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.weight = nnx.Param(DEFAULT_INIT_STD * jax.random.normal(rngs.params(), (vocab, hidden), param_dtype))
+        self.weight = nnx.Param(init_normal(rngs, (vocab, hidden), DEFAULT_INIT_STD, param_dtype))
 
     def __call__(self, ids: jax.Array, dtype) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
@@ -131,6 +131,14 @@ class Qwen35ForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
         else:
             self.lm_head = None
+
+    @classmethod
+    def abstract(cls, config: Qwen35Config, **kwargs) -> "Qwen35ForCausalLM":
+        """The model with `jax.ShapeDtypeStruct` leaves instead of arrays: shapes only, nothing allocated (the
+        397B preset takes a second or two). `kwargs` go to the constructor."""
+        kwargs.setdefault("rngs", nnx.Rngs(0))
+        with abstract_init():
+            return nnx.eval_shape(lambda: cls(config, **kwargs))
 
     # -- cache ---------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:

@@ -419,9 +419,7 @@ def load_hf_checkpoint(
     np_param_dtype = np.dtype(param_dtype)
 
     # 1. The model's shapes, without allocating anything.
-    abstract = nnx.eval_shape(
-        lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl)
-    )
+    abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     params = {".".join(str(p) for p in path_): var for path_, var in flat}

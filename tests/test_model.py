@@ -14,7 +14,7 @@ from qwen35.model import HybridCache, Qwen35ForCausalLM
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen35ForCausalLM(qwen35.tiny(), rngs=nnx.Rngs(0))
+    return Qwen35ForCausalLM(qwen35.tiny(num_hidden_layers=4), rngs=nnx.Rngs(0))  # one [L, L, L, F] period
 
 
 @pytest.fixture(scope="module")
