@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35.config import Qwen35Config
-from qwen35.layers import DEFAULT_INIT_STD, Linear
+from qwen35.layers import DEFAULT_INIT_STD, Linear, init_normal
 
 __all__ = [
     "route",
@@ -427,7 +427,7 @@ class TopKRouter(nnx.Module):
     """`gate.weight` [E, H]."""
 
     def __init__(self, num_experts: int, hidden: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        self.weight = nnx.Param(DEFAULT_INIT_STD * jax.random.normal(rngs.params(), (num_experts, hidden), param_dtype))
+        self.weight = nnx.Param(init_normal(rngs, (num_experts, hidden), DEFAULT_INIT_STD, param_dtype))
 
 
 class Experts(nnx.Module):
@@ -435,8 +435,8 @@ class Experts(nnx.Module):
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
         E, H, I = num_experts, hidden, width
-        self.gate_up_proj = nnx.Param(DEFAULT_INIT_STD * jax.random.normal(rngs.params(), (E, 2 * I, H), param_dtype))
-        self.down_proj = nnx.Param(DEFAULT_INIT_STD * jax.random.normal(rngs.params(), (E, H, I), param_dtype))
+        self.gate_up_proj = nnx.Param(init_normal(rngs, (E, 2 * I, H), DEFAULT_INIT_STD, param_dtype))
+        self.down_proj = nnx.Param(init_normal(rngs, (E, H, I), DEFAULT_INIT_STD, param_dtype))
 
 
 class MLP(nnx.Module):
@@ -492,9 +492,20 @@ class SparseMoeBlock(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
+    def use_expert_parallel(self, mesh, scheme: str = "allgather", capacity_factor: float | None = None):
+        """Switch the routed experts to the expert-parallel path (`impl` "ep"): `qwen35.sharding.moe_ep` over
+        `mesh` with token exchange `scheme` ("allgather" or "alltoall"). Used by `qwen35.sharding.shard_model`."""
+        self.impl, self.ep_mesh, self.ep_scheme, self.ep_capacity_factor = "ep", mesh, scheme, capacity_factor
+        return self
+
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed-expert sum for x [N, H] with the configured path."""
         gu, dn = self.experts.gate_up_proj[...], self.experts.down_proj[...]
+        if self.impl == "ep":
+            from qwen35.sharding import moe_ep  # sharding imports this module
+
+            return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
+                          capacity_factor=self.ep_capacity_factor)
         if self.impl == "dense":
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":

@@ -356,6 +356,11 @@ def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
 
 
 def _local_experts(x, weights, experts, gate_up, down, impl):
+    El, k = gate_up.shape[0], experts.shape[1]
+    if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
+        # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
+        weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, El, dtype=weights.dtype))
+        experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
     if impl == "dense":
         return experts_dense(x, weights, experts, gate_up, down)
     return experts_sorted(x, weights, experts, gate_up, down)
@@ -553,3 +558,243 @@ def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
         out["ops"] += 1
     out["total"] = out["all-gather"] + out["reduce-scatter"] + out["all-to-all"]
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A sharded model: attention data-parallel, experts expert-parallel
+def _batch_axes(mesh, rules=LOGICAL_RULES) -> tuple[str, ...]:
+    return mesh_axes_for("batch", mesh, rules)
+
+
+def _batch_spec(mesh, ndim: int, rules=LOGICAL_RULES) -> P:
+    ax = _batch_axes(mesh, rules)
+    return P(ax if ax else None, *([None] * (ndim - 1)))
+
+
+def cache_specs(cache, mesh, rules=LOGICAL_RULES):
+    """PartitionSpecs of a `HybridCache` (or its `jax.eval_shape`): every per-layer leaf (K, V [B, S, Hkv, Dh];
+    GDN conv [B, C, Kc] and recurrent [B, Hv, Dk, Dv]) split over the "batch" axes (whole sequences per device),
+    `index` replicated."""
+    from qwen35.model import HybridCache
+
+    layers = jax.tree.map(lambda a: _batch_spec(mesh, a.ndim, rules), cache.layers)
+    return HybridCache(layers=layers, index=P())
+
+
+def _check_batch(B: int, mesh, rules=LOGICAL_RULES) -> None:
+    ax = _batch_axes(mesh, rules)
+    n = _axes_size(mesh, ax)
+    if B % n:
+        raise ShardingError(f"batch {B} cannot be split over {_axes_desc(mesh, ax)} = {n} devices (attention is "
+                            f"data-parallel: whole sequences per device); use a batch that is a multiple of {n}, "
+                            f"e.g. {n * max(1, -(-B // n))} (pad with dummy sequences)")
+
+
+def _named(mesh, tree):
+    return jax.tree.map(lambda s: jax.sharding.NamedSharding(mesh, s), tree,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+@functools.lru_cache(maxsize=32)
+def _sharded_forward(graphdef, mesh, rules, with_cache: bool):
+    from flax import nnx
+
+    logits_sh = jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 3, rules))
+
+    def f(state, input_ids, cache):
+        out = nnx.merge(graphdef, state).forward(input_ids, cache)
+        return out.logits, out.cache
+
+    if not with_cache:
+        return jax.jit(f, out_shardings=(logits_sh, None))
+    return jax.jit(f)  # cache shardings: given per call in `ShardedLM.__call__` via lax.with_sharding_constraint
+
+
+def _make_sharded_class():
+    from qwen35.model import HybridCache, Qwen35ForCausalLM
+
+    class ShardedQwen35ForCausalLM(Qwen35ForCausalLM):
+        """A `Qwen35ForCausalLM` whose parameters live on `self.mesh` (see `shard_model`): `init_cache` returns a
+        batch-sharded cache and calls run one jit with those shardings (batch split over all mesh axes)."""
+
+        def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
+            _check_batch(batch_size, self.mesh, self.rules)
+            shapes = jax.eval_shape(lambda: Qwen35ForCausalLM.init_cache(self, batch_size, max_len, dtype))
+            sh = _named(self.mesh, cache_specs(shapes, self.mesh, self.rules))
+            return jax.jit(lambda: Qwen35ForCausalLM.init_cache(self, batch_size, max_len, dtype),
+                           out_shardings=sh)()
+
+        def __call__(self, input_ids, cache: HybridCache | None = None):
+            if isinstance(input_ids, (list, tuple)):
+                input_ids = np.asarray(input_ids)
+            self._check_call(input_ids, cache)
+            if isinstance(input_ids, jax.core.Tracer):
+                out = self.forward(input_ids, cache)
+                return out.logits, out.cache
+            _check_batch(input_ids.shape[0], self.mesh, self.rules)
+            from flax import nnx
+
+            graphdef, state = nnx.split(self)
+            ids = jax.device_put(jnp.asarray(input_ids, jnp.int32),
+                                 jax.sharding.NamedSharding(self.mesh, _batch_spec(self.mesh, 2, self.rules)))
+            f = _sharded_forward(graphdef, self.mesh, self.rules, cache is not None)
+            logits, new_cache = f(state, ids, cache)
+            if new_cache is not None:  # keep the cache where init_cache put it (a no-op when already there)
+                new_cache = jax.device_put(new_cache, _named(self.mesh, cache_specs(new_cache, self.mesh,
+                                                                                     self.rules)))
+            return logits, new_cache
+
+    return ShardedQwen35ForCausalLM
+
+
+_SHARDED_CLASS = None
+
+
+def sharded_model_class():
+    """The `Qwen35ForCausalLM` subclass `shard_model` returns (made on first use: model.py imports moe.py)."""
+    global _SHARDED_CLASS
+    if _SHARDED_CLASS is None:
+        _SHARDED_CLASS = _make_sharded_class()
+    return _SHARDED_CLASS
+
+
+def _rules_key(rules):
+    return tuple(_rules_dict(rules).items())
+
+
+def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_RULES,
+                capacity_factor: float | None = None):
+    """A sharded copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh` (the playbook's DP attention +
+    EP experts: `make_mesh(expert=8)`, or `make_mesh(data=2, expert=4)`):
+
+      parameters   placed by `param_specs` (the rules table): expert weights A[E_X, 2I, H] split over the
+                   "experts" axes (E/n per device), attention, GDN, router, shared expert, embeddings replicated
+                   (no "model" axis on the mesh), so attention runs data-parallel;
+      MoE blocks   switched to `moe_ep` with `moe_exchange` "allgather" (exact) or "alltoall" (capacity
+                   `capacity_factor`, default 1.25; `num_experts / top_k` guarantees no drops);
+      cache        `smodel.init_cache(B, S)` gives a cache split over the "batch" axes (all mesh axes here);
+                   `logits, cache = smodel(ids, cache=cache)` runs one jit; B must be a multiple of the batch
+                   devices (a `ShardingError` says so).
+
+    The original model is untouched (the copy holds new arrays)."""
+    from flax import nnx
+
+    if moe_exchange not in SCHEMES:
+        raise ValueError(f"moe_exchange must be one of {SCHEMES}, got {moe_exchange!r}")
+    cls = sharded_model_class()
+    check_mesh(model.config, mesh, rules)
+    if not mesh_axes_for("experts", mesh, rules):
+        raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to; use e.g. "
+                            f"make_mesh(expert=8) or make_mesh(data=2, expert=4)")
+    rules_key = _rules_key(rules)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    specs = param_specs(params, mesh, rules)
+    placed = jax.device_put(params, _named(mesh, specs))
+    rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, P())) if jax.tree.leaves(rest) else rest
+    smodel = nnx.merge(graphdef, placed, rest)
+    smodel.__class__ = cls  # same attributes, sharded methods
+    smodel.mesh, smodel.rules = mesh, rules_key
+    for layer in smodel.model.layers:
+        layer.mlp.use_expert_parallel(mesh, moe_exchange, capacity_factor)
+    return smodel
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Full size on paper: bytes per device for DP vs TP attention
+def _layout_axes(mesh_shape: Mapping[str, int], logical: str, rules) -> int:
+    return math.prod(mesh_shape[a] for a in mesh_axes_for(logical, None, rules) if a in mesh_shape)
+
+
+def memory_plan(config: Qwen35Config, mesh_shape: Mapping[str, int] | None = None,
+                concurrency: Sequence[int] = (64, 256, 512), context: int = 8192, *, expert_dtype_bytes: int = 1,
+                dense_dtype_bytes: int = 2, kv_dtype_bytes: int = 2, state_dtype_bytes: int = 4,
+                device_hbm_bytes: int = 96 * 2**30, rules=LOGICAL_RULES) -> dict[str, Any]:
+    """Per-device HBM bytes of weights and decode state for two layouts of the same n = prod(mesh_shape) devices,
+    at each `concurrency` (sequences) of `context` tokens. Weights and caches only (no activations, no
+    workspace, no fragmentation): a lower bound on what must fit.
+
+      "dp"  (the workload's): experts split over the "experts" axes of `mesh_shape` (E/8 on {"expert": 8}),
+            dense weights (attention, GDN, router, shared expert, embeddings, norms) replicated; sequences split
+            over the "batch" axes, so a device holds the KV cache and GDN state of B/n_batch sequences.
+      "tp"  (the rejected one, TP = n for attention): experts split n ways as well, dense weights split n ways
+            except k_proj/v_proj (KV heads replicated: Hkv < n cannot be split), GDN state split n ways over its
+            value heads, and the whole KV cache of every sequence on every device (replicated KV heads).
+
+    Returns {"devices", "per_sequence": cache_bytes_per_sequence, "dp"/"tp": {"weights_expert", "weights_dense",
+    "weights", "kv_per_seq", "gdn_per_seq", "seqs_per_device"(B ->), "by_concurrency": {B: {"kv", "gdn",
+    "weights", "total", "fits"}}, "max_concurrency"}}. `max_concurrency`: the largest B whose total fits
+    `device_hbm_bytes` (for "dp" a multiple of the batch devices)."""
+    c = config
+    mesh_shape = dict(mesh_shape or {"expert": 8})
+    n = math.prod(mesh_shape.values())
+    n_ex = _layout_axes(mesh_shape, "experts", rules)
+    n_b = _layout_axes(mesh_shape, "batch", rules)
+    if c.num_experts % n_ex:
+        raise ShardingError(f"{c.num_experts} experts cannot be split over {n_ex} devices")
+    pc = c.param_counts()["components"]
+    routed = pc["routed_experts"]["total"]
+    dense = sum(v["total"] for k, v in pc.items() if k != "routed_experts")
+    kv_proj = c.num_full_layers * 2 * c.num_key_value_heads * c.head_dim * c.hidden_size
+    per_seq = c.cache_bytes_per_sequence(context, kv_dtype_bytes, state_dtype_bytes)
+    kv_seq, gdn_seq = per_seq["kv_bytes"], per_seq["gdn_recurrent_bytes"] + per_seq["gdn_conv_bytes"]
+    hv_split = n if c.linear_num_value_heads % n == 0 else 1
+    layouts = {
+        "dp": dict(weights_expert=routed * expert_dtype_bytes // n_ex, weights_dense=dense * dense_dtype_bytes,
+                   kv_per_seq=kv_seq, gdn_per_seq=gdn_seq, batch_split=n_b),
+        "tp": dict(weights_expert=routed * expert_dtype_bytes // n,
+                   weights_dense=(dense - kv_proj) * dense_dtype_bytes // n + kv_proj * dense_dtype_bytes,
+                   kv_per_seq=kv_seq, gdn_per_seq=gdn_seq // hv_split, batch_split=1),
+    }
+    out: dict[str, Any] = {"devices": n, "context": context, "per_sequence": per_seq,
+                           "device_hbm_bytes": device_hbm_bytes}
+    for name, d in layouts.items():
+        w = d["weights_expert"] + d["weights_dense"]
+        s = d["kv_per_seq"] + d["gdn_per_seq"]
+        nb = d.pop("batch_split")
+        rows = {}
+        for B in concurrency:
+            seqs = -(-int(B) // nb)
+            kv, gdn = seqs * d["kv_per_seq"], seqs * d["gdn_per_seq"]
+            rows[int(B)] = {"seqs_per_device": seqs, "weights": w, "kv": kv, "gdn": gdn, "total": w + kv + gdn,
+                            "fits": w + kv + gdn <= device_hbm_bytes}
+        free = device_hbm_bytes - w
+        out[name] = {**d, "weights": w, "state_per_seq": s, "batch_devices": nb, "by_concurrency": rows,
+                     "max_concurrency": max(0, free // s) * nb}
+    return out
+
+
+def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *, moe_exchange: str = "allgather",
+                         param_dtype=jnp.bfloat16, platforms: Sequence[str] | None = ("tpu",), rules=LOGICAL_RULES):
+    """Lower (not run) one decode step (T = 1, cache of `max_len`) of `config`'s model sharded as `shard_model`
+    would, from shapes alone: the model from `nnx.eval_shape`, parameters and cache as `jax.ShapeDtypeStruct`s
+    with their shardings on `mesh` (a `Mesh` or an `AbstractMesh`). Nothing is allocated, so the 397B model works
+    on a laptop. `platforms` ("tpu",) exports with `jax.export` (the TPU lowering rules apply); None lowers with
+    `jax.jit(...).lower` for the local backend. Returns the `jax.export.Exported` or `jax.stages.Lowered`."""
+    from flax import nnx
+
+    from qwen35.model import Qwen35ForCausalLM
+
+    check_mesh(config, mesh, rules)
+    _check_batch(batch, mesh, rules)
+    abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype)
+    for layer in abstract.model.layers:
+        layer.mlp.use_expert_parallel(mesh, moe_exchange)
+    graphdef, params = nnx.split(abstract)
+    specs = param_specs(nnx.state(abstract, nnx.Param), mesh, rules)
+
+    def sds(a, spec):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    params = jax.tree.map(sds, params, specs)
+    cache = jax.eval_shape(lambda: abstract.init_cache(batch, max_len))
+    cache = jax.tree.map(sds, cache, cache_specs(cache, mesh, rules))
+    ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
+                               sharding=jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 2, rules)))
+
+    def step(params, ids, cache):
+        out = nnx.merge(graphdef, params).forward(ids, cache)
+        return out.logits, out.cache
+
+    if platforms is None:
+        return jax.jit(step).lower(params, ids, cache)
+    return jax.export.export(jax.jit(step), platforms=tuple(platforms))(params, ids, cache)

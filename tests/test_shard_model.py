@@ -1,0 +1,118 @@
+"""The sharded model (DP attention + EP experts) against the unsharded one; the full-size memory plan against
+hand arithmetic; the 397B decode step lowered for TPU from shapes alone."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
+
+from qwen35 import config as C
+from qwen35 import sharding as S
+from qwen35.model import Qwen35ForCausalLM
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny_model_and_reference():
+    model = Qwen35ForCausalLM(C.tiny(), rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (8, 9))
+    cache = model.init_cache(8, 16)
+    ref = []
+    for sl in (slice(0, 7), slice(7, 8), slice(8, 9)):  # prefill T=7, then 2 decode steps
+        logits, cache = model(ids[:, sl], cache=cache)
+        ref.append(np.asarray(logits))
+    return model, ids, ref
+
+
+@pytest.mark.parametrize("exchange", S.SCHEMES)
+def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange):
+    model, ids, ref = tiny_model_and_reference
+    mesh = S.make_mesh(expert=8)
+    E, k = model.config.num_experts, model.config.num_experts_per_tok
+    smodel = S.shard_model(model, mesh, moe_exchange=exchange,
+                           capacity_factor=E / k if exchange == "alltoall" else None)  # E/k: nothing dropped
+    assert smodel is not model and model.model.layers[0].mlp.impl == "sorted"  # the original is untouched
+    mlp = smodel.model.layers[0].mlp
+    assert mlp.impl == "ep" and mlp.ep_scheme == exchange
+    # parameters: experts E/8 per device, attention and GDN replicated
+    gu = mlp.experts.gate_up_proj[...]
+    assert gu.sharding.spec == P("expert", None, None)
+    assert gu.addressable_shards[0].data.shape == (E // 8, *gu.shape[1:])
+    assert smodel.model.layers[3].self_attn.q_proj.weight[...].sharding.spec == P(None, None)
+    assert smodel.model.layers[0].linear_attn.in_proj_qkv.weight[...].sharding.spec == P(None, None)
+    cache = smodel.init_cache(8, 16)
+    out = []
+    for sl in (slice(0, 7), slice(7, 8), slice(8, 9)):
+        logits, cache = smodel(ids[:, sl], cache=cache)
+        out.append(np.asarray(logits))
+    # the cache: whole sequences per device
+    for leaf in (cache.layers[3].k, cache.layers[0].recurrent, cache.layers[0].conv):
+        assert leaf.sharding.spec[0] == "expert"
+        assert leaf.addressable_shards[0].data.shape[0] == 1
+    assert int(cache.index) == 9
+    for step, (a, b) in enumerate(zip(out, ref)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0, err_msg=f"{exchange} step {step}")
+
+
+def test_two_level_mesh_specs_and_batch_errors(tiny_model_and_reference):
+    model, ids, _ = tiny_model_and_reference
+    mesh = S.make_mesh(data=2, expert=4)
+    smodel = S.shard_model(model, mesh)
+    gu = smodel.model.layers[0].mlp.experts.gate_up_proj[...]
+    assert gu.sharding.spec == P("expert", None, None) and gu.addressable_shards[0].data.shape[0] == 2
+    cache = smodel.init_cache(8, 16)
+    assert cache.layers[3].v.sharding.spec == P(("data", "expert"), None, None, None)
+    assert cache.index.sharding.spec == P()
+    with pytest.raises(S.ShardingError, match="batch 6 cannot be split .* multiple of 8"):
+        smodel.init_cache(6, 16)
+    with pytest.raises(S.ShardingError, match="batch 4 cannot be split"):
+        smodel(ids[:4, :3])
+    with pytest.raises(ValueError, match="moe_exchange must be one of"):
+        S.shard_model(model, mesh, moe_exchange="ring")
+    with pytest.raises(S.ShardingError, match="2 KV heads cannot be split"):
+        S.shard_model(model, S.make_mesh(data=2, model=4))
+
+
+def test_memory_plan_matches_hand_arithmetic():
+    cfg = C.qwen35_397b_a17b()
+    plan = S.memory_plan(cfg, {"expert": 8}, (64, 256, 512), 8192, expert_dtype_bytes=1, dense_dtype_bytes=2,
+                         device_hbm_bytes=96 * GiB)
+    # by hand: 60 layers x 512 experts x (gate, up, down) 1024 x 4096 at 1 byte, over 8 devices
+    routed = 60 * 512 * 3 * 1024 * 4096
+    assert plan["dp"]["weights_expert"] == routed // 8 == 48_318_382_080  # 45.0 GiB
+    dense = cfg.param_counts()["total"] - routed
+    assert plan["dp"]["weights_dense"] == 2 * dense
+    assert 9.7e9 < dense < 9.9e9  # ~9.8B dense parameters, replicated in bf16: 18.3 GiB
+    # per sequence at 8192 tokens: 15 attention layers x (K, V) x 2 heads x 256 x 2 bytes; 45 GDN layers of
+    # fp32 [64, 128, 128] recurrent state and bf16 [12288, 4] conv state
+    kv = 15 * 2 * 2 * 256 * 2 * 8192
+    gdn = 45 * 64 * 128 * 128 * 4 + 45 * (2 * 16 * 128 + 64 * 128) * 4 * 2
+    assert (kv, gdn) == (251_658_240, 193_167_360)
+    assert plan["dp"]["state_per_seq"] == kv + gdn
+    w = routed // 8 + 2 * dense
+    for B in (64, 256, 512):
+        row = plan["dp"]["by_concurrency"][B]
+        assert row["seqs_per_device"] == B // 8 and row["total"] == w + B // 8 * (kv + gdn)
+    assert plan["dp"]["by_concurrency"][512]["fits"]  # 89.8 GiB <= 96 GiB
+    assert plan["dp"]["max_concurrency"] == 8 * ((96 * GiB - w) // (kv + gdn)) == 632
+    # TP=8: dense split 8 ways except K/V projections (replicated), GDN state split over 64/8 heads, but the
+    # whole KV cache of every sequence on every device
+    kv_proj = 15 * 2 * 2 * 256 * 4096
+    w_tp = routed // 8 + 2 * (dense - kv_proj) // 8 + 2 * kv_proj
+    assert plan["tp"]["weights"] == w_tp
+    assert plan["tp"]["state_per_seq"] == kv + gdn // 8
+    assert plan["tp"]["by_concurrency"][64]["fits"] and not plan["tp"]["by_concurrency"][256]["fits"]
+    assert plan["tp"]["max_concurrency"] == (96 * GiB - w_tp) // (kv + gdn // 8) == 189  # "near 200"
+
+
+def test_decode_step_lowers_for_tpu_from_shapes_only():
+    cfg = C.qwen35_397b_a17b(num_hidden_layers=4)  # one [L, L, L, F] block at full width
+    mesh = AbstractMesh((8,), ("expert",), axis_types=(AxisType.Auto,))
+    exp = S.decode_step_lowering(cfg, mesh, batch=64, max_len=8192)
+    assert exp.platforms == ("tpu",) and exp.nr_devices == 8
+    text = exp.mlir_module()
+    assert "all_gather" in text and "reduce_scatter" in text
+    with pytest.raises(S.ShardingError, match="multiple of 8"):
+        S.decode_step_lowering(cfg, mesh, batch=12, max_len=64)
