@@ -30,6 +30,13 @@ k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with t
 grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower than the
 dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
 GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost.
+
+Decode (`experts_gather`, N·k <= E): one `lax.scan` step per slot, slicing that slot's expert. On the `small`
+preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
+layer against 8–15 ms for gathering all 16 experts' weights into fresh [M, 2I, H] / [M, H, I] buffers, and about
+the time of one read of all 32 experts' weights; deduplicating the experts (a loop over the distinct ones, each
+on all N tokens) and `fori_loop` variants measured the same or slower. For the prefill tiles, tiles of 256 or 512
+rows were slower than 128 (more padding), 64 no better, and a transposed [E, H, 2I] weight copy no faster.
 """
 
 from __future__ import annotations
@@ -262,16 +269,23 @@ def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", 
 
 @jax.jit
 def experts_gather(x, weights, experts, gate_up, down):
-    """Decode-sized batches: gather each slot's expert weights ([M, 2I, H] and [M, H, I]) and do M small
-    matrix-vector products. Reads only the experts the slots use, with no sort, padding or loop; the right
-    schedule when M = N·k is at most about E (a decode step), where the weight reads dominate."""
+    """Decode-sized batches: M = N·k small matrix-vector products, one per slot, each with its expert's weights.
+
+    Reads only the experts the slots use, with no sort or padding; the right schedule when M = N·k is at most
+    about E (a decode step), where the weight reads dominate. A `lax.scan` over the slots slices one expert's
+    [2I, H] and [H, I] per step (a cache-sized copy) instead of gathering all M experts' weights at once, which
+    would write — and on CPU page-fault in — fresh [M, 2I, H] and [M, H, I] buffers every call."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
-    e = experts.reshape(-1)
-    xs = jnp.repeat(x, k, axis=0)  # [M, H]
-    h = jnp.einsum("mh,mih->mi", xs, gate_up[e].astype(x.dtype))  # [M, 2I]
-    y = jnp.einsum("mi,mhi->mh", _swiglu(h), down[e].astype(x.dtype))  # [M, H]
-    return jnp.sum(y.reshape(N, k, H) * weights.astype(x.dtype)[..., None], axis=1)
+    dtype = x.dtype
+
+    def one_slot(_, slot):
+        e, x_m = slot
+        h = gate_up[e].astype(dtype) @ x_m  # [2I]
+        return None, down[e].astype(dtype) @ _swiglu(h)  # [H]
+
+    _, y = jax.lax.scan(one_slot, None, (experts.reshape(-1), jnp.repeat(x, k, axis=0)))  # [M, H]
+    return jnp.sum(y.reshape(N, k, H) * weights.astype(dtype)[..., None], axis=1)
 
 
 # ------------------------------------------------------------------------------------------------------------
