@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import time
 from functools import partial
 
 import jax

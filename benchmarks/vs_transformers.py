@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,10 +50,12 @@ def prefill_flops_per_token(cfg, T: int) -> float:
 def build_checkpoint(cfg, path: str, seed: int = 0):
     """A random checkpoint written by transformers (so both sides load the same file)."""
     import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from qwen35.parity import hf_text_config
 
     torch.manual_seed(seed)
-    hc = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    hc = hf_text_config(cfg)
     m = Qwen3_5MoeForCausalLM(hc).eval()
     m.save_pretrained(path)
     return m
@@ -98,8 +99,6 @@ def _t(fn) -> float:
 
 
 def bench_qwen35(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> dict:
-    from flax import nnx
-
     from qwen35.model import forward_fn
 
     f, params = forward_fn(model)
@@ -110,7 +109,6 @@ def bench_qwen35(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> di
     gen_full = bench.timeit(lambda: qwen35.generate(model, prompt, new_tokens), repeats=max(1, repeats // 2))["best"]
     gen_one = bench.timeit(lambda: qwen35.generate(model, prompt, 1), repeats=max(1, repeats // 2))["best"]
     toks = generate(model, prompt, new_tokens)
-    del nnx
     return {"prefill_s": t_pre, "decode_s": max(gen_full - gen_one, 1e-9), "decode_steps": new_tokens - 1,
             "tokens": toks}
 

@@ -162,7 +162,6 @@ class Qwen35ForCausalLM(nnx.Module):
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: jax.Array, cache: HybridCache | None = None) -> ModelOutput:
         """The forward pass as traced code (call it under jit, or use `__call__`, which does)."""
-        c = self.config
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids, self.dtype)
         index = jnp.zeros((), jnp.int32) if cache is None else cache.index
@@ -179,7 +178,6 @@ class Qwen35ForCausalLM(nnx.Module):
         else:
             logits = jnp.einsum("btd,vd->btv", x, self.model.embed_tokens.weight[...].astype(x.dtype))
         new_cache = None if cache is None else HybridCache(tuple(new_states), index + T)
-        del c
         return ModelOutput(logits.astype(jnp.float32), new_cache, tuple(hidden), tuple(routers))
 
     def _check_call(self, input_ids, cache):

@@ -22,7 +22,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["hf_hidden_states", "divergence_report", "Report", "LayerDiff"]
+__all__ = ["hf_text_config", "hf_hidden_states", "divergence_report", "Report", "LayerDiff"]
+
+
+def hf_text_config(cfg, attn_implementation: str = "eager"):
+    """transformers' `Qwen3_5MoeTextConfig` for a `Qwen35Config` (needs the `parity` extra)."""
+    import transformers
+
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    c = transformers.Qwen3_5MoeTextConfig(**d)
+    c._attn_implementation = attn_implementation
+    return c
 
 
 def hf_hidden_states(hf_model, input_ids) -> list[np.ndarray]:

@@ -25,6 +25,7 @@ from qwen35.attention import (
     rope_inv_freq,
 )
 from qwen35.config import qwen35_397b_a17b, tiny
+from qwen35.parity import hf_text_config
 
 ATOL = 1e-5
 LAYER = 3  # a full-attention layer in the [linear, linear, linear, full] pattern
@@ -52,10 +53,7 @@ CONFIGS = {
 }
 
 
-def hf_config(cfg):
-    h = transformers.Qwen3_5MoeTextConfig(**cfg.to_hf_dict())
-    h._attn_implementation = "eager"
-    return h
+hf_config = hf_text_config
 
 
 def hf_cos_sin(cfg, positions):

@@ -6,6 +6,8 @@ import json
 import pytest
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
+from qwen35.parity import hf_text_config
+
 import qwen35
 from qwen35.config import FULL, LINEAR, ConfigError, Qwen35Config
 
@@ -30,7 +32,7 @@ def test_param_counts_match_transformers_model():
     from transformers import Qwen3_5MoeForCausalLM
 
     for cfg in (qwen35.tiny(), qwen35.tiny(tie_word_embeddings=True, shared_expert_intermediate_size=24)):
-        hc = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
+        hc = hf_text_config(cfg)
         with torch.device("meta"):
             m = Qwen3_5MoeForCausalLM(hc)
         n = sum(p.numel() for p in m.parameters())  # parameters() lists a tied weight once
@@ -56,7 +58,7 @@ def test_tiny_keeps_the_layout_traps():
 
 def test_from_hf_text_config_roundtrip(tmp_path):
     ref = qwen35.tiny(rope_theta=1e6, tie_word_embeddings=True)
-    hc = Qwen3_5MoeTextConfig(**{k: v for k, v in ref.to_hf_dict().items() if k not in ("architectures", "model_type")})
+    hc = hf_text_config(ref)
     hc.save_pretrained(tmp_path)  # transformers writes the config.json
     got = Qwen35Config.from_hf(tmp_path)
     for f in dataclasses.fields(Qwen35Config):

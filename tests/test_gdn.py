@@ -10,12 +10,12 @@ from flax import nnx
 from helpers import assert_close, to_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3_5MoeTextConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 import qwen35
 from qwen35 import gdn
+from qwen35.parity import hf_text_config
 
 
 def make_inputs(rng, B, T, H, Dk, Dv, *, state=False, g_scale=1.0):
@@ -180,10 +180,7 @@ def test_conv1d_split_equals_one_call(rng):
 
 # ---------------------------------------------------------------------------------------------------------
 # The layer against transformers' Qwen3_5MoeGatedDeltaNet, including its cache
-def hf_config(cfg: qwen35.Qwen35Config) -> Qwen3_5MoeTextConfig:
-    c = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    c._attn_implementation = "eager"
-    return c
+hf_config = hf_text_config
 
 
 def copy_gdn_weights(torch_layer, layer: gdn.GatedDeltaNet):

@@ -13,11 +13,11 @@ import pytest
 import torch
 from flax import nnx
 from helpers import assert_close, to_torch
-from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 import qwen35
 from qwen35 import moe
+from qwen35.parity import hf_text_config
 
 ODD = dict(hidden_size=40, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=20,
            shared_expert_intermediate_size=12)
@@ -255,10 +255,7 @@ def test_flops():
 
 # ---------------------------------------------------------------------------------------------------------
 # The layer against transformers
-def hf_config(cfg: qwen35.Qwen35Config) -> Qwen3_5MoeTextConfig:
-    c = Qwen3_5MoeTextConfig(**{k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")})
-    c._attn_implementation = "eager"
-    return c
+hf_config = hf_text_config
 
 
 def hf_block_from(block: moe.SparseMoeBlock, cfg) -> hf.Qwen3_5MoeSparseMoeBlock:

@@ -23,6 +23,7 @@ import transformers
 from safetensors.numpy import load_file, save_file
 
 import qwen35
+from qwen35 import parity
 from qwen35.parity import divergence_report, hf_hidden_states
 
 PREFILL, DECODE, CONT = 70, 4, 4
@@ -50,9 +51,7 @@ CONFIGS = {"tiny": qwen35.tiny, "odd": odd_config}
 
 # ------------------------------------------------------------------------------------------------------------
 # Building checkpoints with transformers
-def hf_config(cfg: qwen35.Qwen35Config):
-    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
-    return transformers.Qwen3_5MoeTextConfig(**d)
+hf_config = parity.hf_text_config
 
 
 def random_hf_model(cfg: qwen35.Qwen35Config, seed: int = 0):

@@ -1,7 +1,6 @@
 """The sharded model (DP attention + EP experts) against the unsharded one; the full-size memory plan against
 hand arithmetic; the 397B decode step lowered for TPU from shapes alone."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
