@@ -55,24 +55,21 @@ def cmd_demo(args) -> dict:
     B, T, D = args.batch, args.prompt_len, args.decode_steps
     x = jax.random.normal(jax.random.key(args.seed + 1), (B, T + D, cfg.hidden_size), jnp.float32)
     graphdef, params = nnx.split(layer)  # pure function of (params, inputs): no module traversal per call
-    _step = jax.jit(lambda p, x, s: nnx.merge(graphdef, p)(x, s))
-
-    def step(_layer, x, s):
-        return _step(params, x, s)
+    step = jax.jit(lambda p, x, s: nnx.merge(graphdef, p)(x, s))
 
     t0 = time.perf_counter()
-    y_ref, _ = jax.block_until_ready(step(layer, x, None))  # one prefill over everything (reference)
-    y_pre, state = jax.block_until_ready(step(layer, x[:, :T], None))
+    y_ref, _ = jax.block_until_ready(step(params, x, None))  # one prefill over everything (reference)
+    y_pre, state = jax.block_until_ready(step(params, x[:, :T], None))
     t_compile = time.perf_counter() - t0
     t0 = time.perf_counter()
-    y_pre, state = jax.block_until_ready(step(layer, x[:, :T], None))
+    y_pre, state = jax.block_until_ready(step(params, x[:, :T], None))
     t_prefill = time.perf_counter() - t0
     ys = []
-    y1, state = step(layer, x[:, T:T + 1], state)  # compile the decode step
+    y1, state = step(params, x[:, T:T + 1], state)  # compile the decode step
     ys.append(y1)
     t0 = time.perf_counter()
     for i in range(1, D):
-        y1, state = step(layer, x[:, T + i:T + i + 1], state)
+        y1, state = step(params, x[:, T + i:T + i + 1], state)
         ys.append(y1)
     jax.block_until_ready(state)
     t_decode = (time.perf_counter() - t0) / max(D - 1, 1)

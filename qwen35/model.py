@@ -188,7 +188,7 @@ class Qwen35ForCausalLM(nnx.Module):
             raise ValueError("input_ids is empty (T = 0): give at least one token")
         if not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids must be integers, got dtype {input_ids.dtype}")
-        if isinstance(input_ids, np.ndarray) or not isinstance(input_ids, jax.core.Tracer):
+        if not isinstance(input_ids, jax.core.Tracer):
             lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in [{lo}, {hi}]")
