@@ -506,10 +506,14 @@ class SparseMoeBlock(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def use_expert_parallel(self, mesh, scheme: str = "allgather", capacity_factor: float | None = None):
+    def use_expert_parallel(self, mesh, scheme: str = "allgather", capacity_factor: float | None = None, *,
+                            rules=None, chunks: int = 1, gate_up_layout: str = "checkpoint"):
         """Switch the routed experts to the expert-parallel path (`impl` "ep"): `qwen35.sharding.moe_ep` over
-        `mesh` with token exchange `scheme` ("allgather" or "alltoall"). Used by `qwen35.sharding.shard_model`."""
+        `mesh` with token exchange `scheme` ("allgather" or "alltoall"), the sharding `rules` (None: the default
+        table), `chunks` pieces and the stored `gate_up_layout`. Used by `qwen35.sharding.shard_model`."""
         self.impl, self.ep_mesh, self.ep_scheme, self.ep_capacity_factor = "ep", mesh, scheme, capacity_factor
+        opts = {"chunks": chunks, "gate_up_layout": gate_up_layout, **({} if rules is None else {"rules": rules})}
+        self.ep_options = tuple(opts.items())  # a tuple: static module attributes must be hashable
         return self
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -519,7 +523,7 @@ class SparseMoeBlock(nnx.Module):
             from qwen35.sharding import moe_ep  # sharding imports this module
 
             return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
-                          capacity_factor=self.ep_capacity_factor)
+                          capacity_factor=self.ep_capacity_factor, **dict(getattr(self, "ep_options", ())))
         if self.impl == "dense":
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":

@@ -59,7 +59,12 @@ __all__ = [
     "unpack_routing",
     "EPStats",
     "moe_ep",
+    "rules_with",
+    "tp_interleave_gate_up",
+    "tp_deinterleave_gate_up",
     "hierarchical_psum_scatter",
+    "hierarchical_all_gather",
+    "balanced_expert_placement",
     "moe_comm_bytes",
     "hlo_collective_bytes",
     "SCHEMES",
@@ -119,7 +124,7 @@ LOGICAL_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("length", ()),
     # MoE
     ("experts", ("expert", "chip", "core")),  # EP: whole experts per device
-    ("expert_mlp", ()),  # routed width I; tensor-parallel MoE would map it to "model" (needs gate/up regrouped)
+    ("expert_mlp", ()),  # routed width I; TP-MoE maps it to "model" (gate_up rows regrouped: tp_interleave_gate_up)
     ("mlp", ("model",)),  # shared-expert width Is
     # attention
     ("heads", ("model",)),  # query heads (q_proj rows: per head q_h then gate_h, so whole heads stay together)
@@ -147,6 +152,22 @@ def _rules_dict(rules) -> dict[str, tuple[str, ...]]:
             mesh_axes = (mesh_axes,)
         out[logical] = tuple(mesh_axes)
     return out
+
+
+def rules_with(base=LOGICAL_RULES, **overrides) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """A copy of the rules table with some rows replaced, e.g. the layouts `shard_model` understands:
+
+      rules_with(expert_mlp=("model",))   TP-MoE: each expert's width split over "model" (with experts over
+                                          "expert" too on an (expert, model) mesh: the EP x TP hybrid)
+      rules_with(kv_heads=())             TP attention with the KV heads replicated on every "model" device
+                                          (what TP=8 must do with 2 KV heads; see `memory_plan`)
+    Unknown logical axes raise (a typo would otherwise silently replicate)."""
+    table = _rules_dict(base)
+    for logical, axes in overrides.items():
+        if logical not in table:
+            raise ShardingError(f"no rule for logical axis {logical!r}; known: {sorted(table)}")
+        table[logical] = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    return tuple(table.items())
 
 
 def mesh_axes_for(logical: str, mesh: Mesh | None = None, rules=LOGICAL_RULES) -> tuple[str, ...]:
@@ -192,8 +213,8 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     ("linear_attn.A_log", ("gdn_heads",)),
     ("linear_attn.dt_bias", ("gdn_heads",)),
     ("mlp.gate.weight", (None, "hidden")),  # the router: every device routes its own tokens over all E
-    ("mlp.experts.gate_up_proj", ("experts", None, None)),  # [E, 2I, H]
-    ("mlp.experts.down_proj", ("experts", None, None)),  # [E, H, I]
+    ("mlp.experts.gate_up_proj", ("experts", "expert_mlp", None)),  # [E, 2I, H] (TP: rows regrouped first)
+    ("mlp.experts.down_proj", ("experts", None, "expert_mlp")),  # [E, H, I]
     ("mlp.shared_expert.gate_proj.weight", ("mlp", "hidden")),
     ("mlp.shared_expert.up_proj.weight", ("mlp", "hidden")),
     ("mlp.shared_expert.down_proj.weight", ("hidden", "mlp")),
@@ -336,7 +357,47 @@ def hierarchical_psum_scatter(x: jax.Array, inner_axis: str, outer_axis: str, *,
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Expert-parallel MoE
+# Hierarchical all-gather (the mirror image of the reduce-scatter)
+def hierarchical_all_gather(x: jax.Array, inner_axis: str, outer_axis: str, *, axis: int = 0):
+    """All-gather over two mesh axes in two steps: across the outer group (chips) first, while the data is still
+    small, then inside the inner group (the cores of a chip, fast links). Call inside `shard_map`.
+
+    Equal to the flat `lax.all_gather(x, (outer_axis, inner_axis), axis=axis, tiled=True)` (block o·a + i comes
+    from the device at (outer o, inner i)); the gathered blocks are reordered at the end so the orders agree.
+
+    Bytes each device sends (ring model, x of X bytes, a = inner size, b = outer size): (b-1)·X across chips +
+    (a-1)·b·X on-chip, against (ab-1)·X for the flat version, most of which would cross chips."""
+    a, b = jax.lax.axis_size(inner_axis), jax.lax.axis_size(outer_axis)
+    x = jnp.moveaxis(x, axis, 0)
+    t, rest = x.shape[0], x.shape[1:]
+    y = jax.lax.all_gather(x, outer_axis, axis=0, tiled=True)  # [b·t]: blocks (o', i) for all o'
+    y = jax.lax.all_gather(y, inner_axis, axis=0, tiled=True)  # [a·b·t]: position i'·b + o' holds block (o', i')
+    y = y.reshape(a, b, t, *rest).swapaxes(0, 1).reshape(a * b * t, *rest)  # -> position o'·a + i'
+    return jnp.moveaxis(y, 0, axis)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tensor-parallel experts: gate_up rows regrouped so a contiguous split gives each device [gate_j; up_j]
+def tp_interleave_gate_up(gate_up: jax.Array, m: int) -> jax.Array:
+    """[E, 2I, H] in the checkpoint's layout (all gate rows, then all up rows) -> the same rows regrouped as
+    [gate_0; up_0; gate_1; up_1; ...], each piece I/m rows. Split contiguously over m devices, device j then
+    holds [gate_j; up_j]: the column split of both projections, and `experts_*`'s split of the 2I rows into
+    halves gives (gate_j, up_j) locally. Inverse: `tp_deinterleave_gate_up`."""
+    E, I2, H = gate_up.shape
+    if I2 % (2 * m):
+        raise ShardingError(f"expert width I = {I2 // 2} cannot be split over a tensor-parallel group of {m}; "
+                            f"use a group size that divides {I2 // 2}")
+    return gate_up.reshape(E, 2, m, I2 // (2 * m), H).swapaxes(1, 2).reshape(E, I2, H)
+
+
+def tp_deinterleave_gate_up(gate_up: jax.Array, m: int) -> jax.Array:
+    """Inverse of `tp_interleave_gate_up`."""
+    E, I2, H = gate_up.shape
+    return gate_up.reshape(E, m, 2, I2 // (2 * m), H).swapaxes(1, 2).reshape(E, I2, H)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert-parallel (and tensor-parallel) MoE
 class EPStats(NamedTuple):
     """dropped: slots past capacity over all devices (int32; 0 for "allgather"); drop_rate: dropped / (N·k);
     capacity: C, rows per (source device, expert) buffer (None for "allgather")."""
@@ -366,24 +427,38 @@ def _local_experts(x, weights, experts, gate_up, down, impl):
     return experts_sorted(x, weights, experts, gate_up, down)
 
 
-def _allgather_body(x, packed, gate_up, down, *, ex_axes, all_axes, impl, hierarchical):
-    """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts."""
-    xg = jax.lax.all_gather(x, ex_axes, axis=0, tiled=True)  # [N_g, H]
-    e, w = unpack_routing(jax.lax.all_gather(packed, ex_axes, axis=0, tiled=True))  # one all-gather for both
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks):
+    """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
+    parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
+
+    With `chunks` K > 1 the t tokens go through in K independent pieces (gather, experts, scatter per piece): no
+    piece waits on another's compute, so a scheduler with asynchronous collectives (TPU, GPU) overlaps piece
+    j+1's all-gather and piece j-1's reduce-scatter with piece j's expert matmuls."""
     El = gate_up.shape[0]
-    lo = jax.lax.axis_index(ex_axes) * El
-    local = (e >= lo) & (e < lo + El)
-    # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
-    y = _local_experts(xg, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up, down,
-                       impl)
-    if hierarchical:
-        y = hierarchical_psum_scatter(y, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
-    else:
-        y = jax.lax.psum_scatter(y, ex_axes, scatter_dimension=0, tiled=True)
-    return y, jnp.zeros((), jnp.int32)
+    lo = jax.lax.axis_index(ex_axes) * El if ex_axes else 0
+    gather = (functools.partial(hierarchical_all_gather, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
+              if hierarchical else functools.partial(jax.lax.all_gather, axis_name=ex_axes, axis=0, tiled=True))
+    scatter = (functools.partial(hierarchical_psum_scatter, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
+               if hierarchical else functools.partial(jax.lax.psum_scatter, axis_name=ex_axes, scatter_dimension=0,
+                                                      tiled=True))
+    outs = []
+    for x_c, p_c in zip(jnp.split(x, chunks), jnp.split(packed, chunks)):
+        if ex_axes:
+            x_c, p_c = gather(x_c), gather(p_c)  # [N_g, H], [N_g, 2k]: one all-gather moves ids and weights
+        e, w = unpack_routing(p_c)
+        local = (e >= lo) & (e < lo + El)
+        # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
+        y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up,
+                           down, impl)
+        if ex_axes:
+            y = scatter(y)
+        if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
+            y = jax.lax.psum(y, tp_axes)
+        outs.append(y)
+    return jnp.concatenate(outs) if chunks > 1 else outs[0], jnp.zeros((), jnp.int32)
 
 
-def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, all_axes, C):
+def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, all_axes, C, chunks):
     t, H = x.shape
     k = experts.shape[1]
     El = gate_up.shape[0]
@@ -395,72 +470,115 @@ def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, all_axes, C):
     row = jnp.where(keep, rank, C)  # out of bounds: dropped on the way in, 0 on the way out
     token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
     buf = jnp.zeros((E, C, H), dtype).at[experts, row].set(x[token], mode="drop")  # expert e = d·El + l
-    recv = jax.lax.all_to_all(buf.reshape(n, El, C, H), ex_axes, 0, 0, tiled=True)  # [n source, El, C, H]
-    h = jnp.einsum("slch,lih->slci", recv, gate_up.astype(dtype))
-    g, u = jnp.split(h, 2, axis=-1)
-    out = jnp.einsum("slci,lhi->slch", jax.nn.silu(g) * u, down.astype(dtype))
-    back = jax.lax.all_to_all(out, ex_axes, 0, 0, tiled=True).reshape(E, C, H)  # [n target, El, C, H] -> [E, C, H]
+    buf = buf.reshape(n, El, C, H)
+    backs = []
+    # K chunks over the local experts: piece j carries experts [j·El/K, (j+1)·El/K) of every device, independent
+    # of the other pieces, so its all-to-alls can overlap their expert matmuls.
+    for j, (b_c, gu_c, dn_c) in enumerate(zip(jnp.split(buf, chunks, axis=1), jnp.split(gate_up, chunks),
+                                               jnp.split(down, chunks))):
+        recv = jax.lax.all_to_all(b_c, ex_axes, 0, 0, tiled=True)  # [n source, El/K, C, H]
+        h = jnp.einsum("slch,lih->slci", recv, gu_c.astype(dtype))
+        g, u = jnp.split(h, 2, axis=-1)
+        out = jnp.einsum("slci,lhi->slch", jax.nn.silu(g) * u, dn_c.astype(dtype))
+        backs.append(jax.lax.all_to_all(out, ex_axes, 0, 0, tiled=True))  # [n target, El/K, C, H]
+    back = (jnp.concatenate(backs, axis=1) if chunks > 1 else backs[0]).reshape(E, C, H)
     y_slots = back.at[experts, row].get(mode="fill", fill_value=0)  # [t, k, H]
     y = jnp.einsum("nk,nkh->nh", (weights * keep).astype(dtype), y_slots)
+    if tp_axes:
+        y = jax.lax.psum(y, tp_axes)
     dropped = jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), all_axes)
+    if tp_axes:  # every device of a TP group saw the same tokens: count them once
+        dropped = dropped // _axes_size_traced(tp_axes)
     return y.astype(dtype), dropped
 
 
+def _axes_size_traced(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
 @functools.lru_cache(maxsize=64)
-def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, C, impl, hierarchical):
-    tok = P(tok_axes, None)
-    wspec = P(ex_axes, None, None)
+def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave):
+    tok = P(tok_axes or None, None)
+    tp = tp_axes or None
+    gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
     all_axes = tuple(mesh.axis_names)
+    m = _axes_size(mesh, tp_axes)
+
+    def prep(gate_up):
+        return tp_interleave_gate_up(gate_up, m) if interleave and m > 1 else gate_up
+
     if scheme == "allgather":
-        body = functools.partial(_allgather_body, ex_axes=ex_axes, all_axes=all_axes, impl=impl,
-                                 hierarchical=hierarchical)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, wspec, wspec), out_specs=(tok, P()),
+        body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
+                                 hierarchical=hierarchical, chunks=chunks)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
                           check_vma=False)
 
         def run(x, weights, experts, gate_up, down):
-            return f(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down)
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
     else:
-        body = functools.partial(_alltoall_body, ex_axes=ex_axes, all_axes=all_axes, C=C)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec, wspec), out_specs=(tok, P()),
+        body = functools.partial(_alltoall_body, ex_axes=ex_axes, tp_axes=tp_axes, all_axes=all_axes, C=C,
+                                 chunks=chunks)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
                           check_vma=False)
-        run = f
+
+        def run(x, weights, experts, gate_up, down):
+            return f(x, weights, experts, prep(gate_up), down)
     return jax.jit(run)
 
 
 def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
            capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
-           hierarchical: bool | None = None, return_stats: bool = False):
-    """Expert-parallel routed-expert sum: the same `(x [N, H], weights [N, k], experts [N, k], gate_up [E, 2I, H],
-    down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map` over `mesh`.
+           hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
+           return_stats: bool = False):
+    """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
+    experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
+    over `mesh`.
 
-    Experts split over the mesh axes of the "experts" rule (`expert`, or `chip`×`core`); tokens over those of
-    "batch" (which must include the expert axes: every device owns t = N / devices tokens). `scheme`:
+    Experts split over the mesh axes of the "experts" rule (`expert`, or `chip`×`core`): EP, E/n whole experts
+    per device. Each expert's width I split over the axes of the "expert_mlp" rule (empty by default; map it to
+    "model" for TP-MoE, e.g. `rules_with(expert_mlp=("model",))`): gate/up column-split, down row-split, partial
+    outputs summed by an all-reduce over the TP group. Both at once is the EP × TP hybrid. Tokens split over the
+    "batch" axes (which must include the expert axes; devices of one TP group hold the same tokens). `scheme`:
       "allgather"  all-gather tokens + packed routing over the expert axes, local experts, reduce-scatter back.
                    Exact (no capacity). `local_impl` "sorted" (grouped path; it computes all N_g·k gathered slots,
                    the non-local ones with weight 0 — a grouped-matmul kernel with a group offset would skip
                    them) or "dense" (every local expert on every gathered token). With two expert axes the
-                   reduce-scatter is hierarchical (`hierarchical=None` = auto).
+                   all-gather and the reduce-scatter are hierarchical (`hierarchical=None` = auto).
       "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (default 1.25, capped at t),
                    all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
                    (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
                    expert, in token order, like `experts_capacity` on its shard.
+    `chunks` K: exchange and compute in K independent pieces (tokens for "allgather", local experts for
+    "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
+    `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
+    `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
     With `return_stats`, returns (y, EPStats)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if local_impl not in LOCAL_IMPLS:
         raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
+    if gate_up_layout not in ("checkpoint", "tp_interleaved"):
+        raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
+    if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
     if x.ndim != 2 or weights.shape != experts.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
         raise ValueError(f"expected x [N, H], weights and experts [N, k]; got {x.shape}, {weights.shape}, "
                          f"{experts.shape}")
     N, _ = x.shape
     k = experts.shape[1]
-    E = gate_up.shape[0]
+    E, I = gate_up.shape[0], down.shape[2]
     ex_axes = mesh_axes_for("experts", mesh, rules)
+    tp_axes = mesh_axes_for("expert_mlp", mesh, rules)
     tok_axes = mesh_axes_for("batch", mesh, rules)
-    if not ex_axes:
+    if not ex_axes and not tp_axes:
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to "
-                            f"({mesh_axes_for('experts', None, rules)}); e.g. make_mesh(expert=8)")
+                            f"({mesh_axes_for('experts', None, rules)}) nor one the 'expert_mlp' rule maps to; "
+                            f"e.g. make_mesh(expert=8), or TP-MoE with rules_with(expert_mlp=('model',))")
+    overlap = set(ex_axes) & set(tp_axes) | set(tok_axes) & set(tp_axes)
+    if overlap:
+        raise ShardingError(f"mesh axes {sorted(overlap)} cannot split both experts/tokens and the expert width; "
+                            f"give tensor-parallel experts their own axis (e.g. 'model')")
     missing = [a for a in ex_axes if a not in tok_axes]
     if missing:
         raise ShardingError(f"tokens must be split over the expert axes too, but the 'batch' rule lacks {missing}")
@@ -468,6 +586,10 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if E % n:
         raise ShardingError(f"{E} experts cannot be split over {_axes_desc(mesh, ex_axes)}; use an expert-axis "
                             f"size that divides {E}")
+    m = _axes_size(mesh, tp_axes)
+    if I % m:
+        raise ShardingError(f"expert width I = {I} cannot be split over {_axes_desc(mesh, tp_axes)} (expert_mlp); "
+                            f"use a tensor-parallel size that divides {I}")
     n_tok = _axes_size(mesh, tok_axes)
     if N % n_tok:
         raise ShardingError(f"{N} tokens cannot be split over {_axes_desc(mesh, tok_axes)} = {n_tok} devices; pad "
@@ -476,18 +598,23 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if hierarchical is None:
         hierarchical = len(ex_axes) == 2
     if hierarchical and len(ex_axes) != 2:
-        raise ShardingError(f"hierarchical reduce-scatter needs exactly two expert axes (outer, inner), got {ex_axes}")
+        raise ShardingError(f"hierarchical collectives need exactly two expert axes (outer, inner), got {ex_axes}")
     if scheme == "alltoall":
+        if not ex_axes:
+            raise ShardingError("scheme 'alltoall' exchanges tokens between expert-parallel devices; with tensor-"
+                                "parallel experts only (no expert axis) use scheme 'allgather'")
         C = moe_capacity(t, E, k, 1.25 if capacity_factor is None else capacity_factor)
+        if (E // n) % chunks:
+            raise ShardingError(f"chunks={chunks} must divide the {E // n} local experts per device for 'alltoall'")
     else:
         if capacity_factor is not None:
             raise ValueError("capacity_factor applies to scheme='alltoall' only; 'allgather' drops nothing")
         C = None
-    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, C, local_impl, bool(hierarchical))
-    if scheme == "allgather":
-        y, dropped = f(x, weights, experts, gate_up, down)
-    else:
-        y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
+        if t % chunks:
+            raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
+    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
+               gate_up_layout == "checkpoint")
+    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)
@@ -496,14 +623,19 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
 # ------------------------------------------------------------------------------------------------------------
 # Communication accounting
 def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int, scheme: str,
-                   dtype_bytes: int = 2, capacity_factor: float = 1.25) -> dict[str, int]:
+                   dtype_bytes: int = 2, capacity_factor: float = 1.25, tp_size: int = 1) -> dict[str, int]:
     """Bytes each device sends per MoE layer (ring collectives: an all-gather or reduce-scatter over n devices
-    moves (n-1)/n of the full buffer out of each device; an all-to-all sends all but the own 1/n).
+    moves (n-1)/n of the full buffer out of each device; an all-to-all sends all but the own 1/n; an all-reduce
+    is a reduce-scatter plus an all-gather, 2·(n-1)/n of the buffer).
 
+    n = `n_devices` on the expert axes, m = `tp_size` devices per tensor-parallel expert group, t tokens per
+    device (the devices of one TP group hold the same t tokens).
     "allgather": tokens (n-1)·t·H·b + packed routing (n-1)·t·2k·4 + reduce-scatter of outputs (n-1)·t·H·b.
     "alltoall":  two all-to-alls of [n, E/n, C, H] at b bytes: 2·(n-1)·(E/n)·C·H·b, C = capacity(t, E, k, cf).
+    TP-MoE (m > 1) adds the all-reduce of the partial outputs [t, H]: 2·(m-1)/m·t·H·b.
+    Splitting the exchange into chunks, or making it hierarchical, moves the same total.
     Returns a dict of the parts and "total"."""
-    c, t, n, b = config, int(tokens_per_device), int(n_devices), int(dtype_bytes)
+    c, t, n, b, m = config, int(tokens_per_device), int(n_devices), int(dtype_bytes), int(tp_size)
     H, E, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
     if E % n:
         raise ShardingError(f"{E} experts cannot be split over {n} devices")
@@ -519,13 +651,17 @@ def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int,
         parts = {"all_to_all_dispatch": one, "all_to_all_combine": one}
     else:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if m > 1:
+        parts["all_reduce_tp"] = 2 * (m - 1) * t * H * b // m
     parts["total"] = sum(parts.values())
     return parts
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
-_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(all-gather|reduce-scatter|all-to-all)\(")
+_OPS = ("all-gather", "reduce-scatter", "all-to-all", "all-reduce")
+_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+                         r"(all-gather|reduce-scatter|all-to-all|all-reduce)(-start)?\(")
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 
 
@@ -539,25 +675,62 @@ def _group_size(line: str) -> int:
     raise ValueError(f"cannot read the replica groups of: {line.strip()[:200]}")
 
 
-def hlo_collective_bytes(hlo_text: str) -> dict[str, int]:
-    """Bytes each device sends in the all-gathers, reduce-scatters and all-to-alls of a compiled HLO module
-    (`jax.jit(f).lower(...).compile().as_text()`), by the ring model of `moe_comm_bytes`, read off each op's
-    result shape and replica-group size n: all-gather (n-1)/n·result, reduce-scatter (n-1)·result, all-to-all
-    (n-1)/n·result. Synchronous ops only (as CPU emits); keys "all-gather", "reduce-scatter", "all-to-all",
-    "total", and "ops" (how many ops were counted)."""
-    out = {"all-gather": 0, "reduce-scatter": 0, "all-to-all": 0, "ops": 0}
+def hlo_collective_bytes(hlo_text: str, *, min_bytes: int = 16) -> dict[str, int]:
+    """Bytes each device sends in the all-gathers, reduce-scatters, all-to-alls and all-reduces of a compiled
+    HLO module (`jax.jit(f).lower(...).compile().as_text()`), by the ring model of `moe_comm_bytes`, read off
+    each op's result shape and replica-group size n: all-gather (n-1)/n·result, reduce-scatter (n-1)·result,
+    all-to-all (n-1)/n·result, all-reduce 2·(n-1)/n·result.
+
+    Synchronous ops (as CPU emits) and the asynchronous forms TPU and GPU schedules use: `all-gather-start`
+    (result tuple (operand, output): the output counts), `all-reduce-start`; reduce-scatter and all-to-all run
+    asynchronously as `async-start` wrapping a computation that holds the plain op, which is counted once.
+    Ops whose result is under `min_bytes` (scalar counters such as the dropped-slot count) are skipped.
+    Keys: one per op kind, "total", "ops" (ops counted) and "async" (how many were `-start` forms)."""
+    out = {op: 0 for op in _OPS} | {"ops": 0, "async": 0}
     for line in hlo_text.splitlines():
         m = _COLLECTIVE.search(line)
         if not m:
             continue
-        result, op = m.groups()
-        nbytes = sum(_DTYPE_BYTES[d] * math.prod(int(s) for s in dims.split(",") if s)
-                     for d, dims in _ARRAY.findall(result))
+        result, op, start = m.groups()
+        arrays = _ARRAY.findall(result)
+        if start and result.startswith("("):  # (operand(s), output): the output is the last array
+            arrays = arrays[-1:]
+        nbytes = sum(_DTYPE_BYTES[d] * math.prod(int(s) for s in dims.split(",") if s) for d, dims in arrays)
+        if nbytes < min_bytes:
+            continue
         n = _group_size(line)
-        out[op] += (n - 1) * nbytes if op == "reduce-scatter" else (n - 1) * nbytes // n
+        out[op] += {"reduce-scatter": (n - 1) * nbytes, "all-reduce": 2 * (n - 1) * nbytes // n}.get(
+            op, (n - 1) * nbytes // n)
         out["ops"] += 1
-    out["total"] = out["all-gather"] + out["reduce-scatter"] + out["all-to-all"]
+        out["async"] += bool(start)
+    out["total"] = sum(out[op] for op in _OPS)
     return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert placement by load
+def balanced_expert_placement(load, n_devices: int) -> np.ndarray:
+    """A permutation of the E experts that spreads load over `n_devices` expert-parallel devices holding E/n
+    contiguous experts each: experts sorted by load (heaviest first), each placed on the least-loaded device
+    that still has room (greedy longest-processing-time). Returns `perm` [E] int: new slot i holds old expert
+    perm[i], so device d gets experts perm[d·E/n:(d+1)·E/n]. Apply it to a checkpoint by permuting the router
+    rows (`gate.weight[perm]`) and the expert weights (`gate_up_proj[perm]`, `down_proj[perm]`): the model's
+    output is unchanged (routing picks the same experts under new ids) and the busiest device's load drops.
+
+    `load`: tokens per expert [E] (e.g. `qwen35.moe.expert_load(...).tokens_per_expert` measured on traffic)."""
+    load = np.asarray(load, dtype=np.float64)
+    E = load.shape[0]
+    if load.ndim != 1 or E % n_devices:
+        raise ShardingError(f"need a load vector [E] with E a multiple of n_devices={n_devices}, got {load.shape}")
+    per = E // n_devices
+    bins: list[list[int]] = [[] for _ in range(n_devices)]
+    totals = np.zeros(n_devices)
+    for e in np.argsort(-load, kind="stable"):
+        open_ = [d for d in range(n_devices) if len(bins[d]) < per]
+        d = min(open_, key=lambda d: (totals[d], d))
+        bins[d].append(int(e))
+        totals[d] += load[e]
+    return np.array([e for b in bins for e in sorted(b)], dtype=np.int64)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -575,10 +748,26 @@ def cache_specs(cache, mesh, rules=LOGICAL_RULES):
     """PartitionSpecs of a `HybridCache` (or its `jax.eval_shape`): every per-layer leaf (K, V [B, S, Hkv, Dh];
     GDN conv [B, C, Kc] and recurrent [B, Hv, Dk, Dv]) split over the "batch" axes (whole sequences per device),
     `index` replicated."""
+    from qwen35.attention import KVCache
+    from qwen35.gdn import GDNState
     from qwen35.model import HybridCache
 
-    layers = jax.tree.map(lambda a: _batch_spec(mesh, a.ndim, rules), cache.layers)
-    return HybridCache(layers=layers, index=P())
+    batch = _batch_axes(mesh, rules) or None
+
+    def heads(logical):
+        ax = mesh_axes_for(logical, mesh, rules)
+        return None if not ax else ax[0] if len(ax) == 1 else ax
+
+    def spec(layer):
+        if isinstance(layer, KVCache):  # [B, S, Hkv, Dh]: under TP attention the KV heads follow k_proj's split
+            s = P(batch, None, heads("kv_heads"), None)
+            return KVCache(k=s, v=s)
+        if isinstance(layer, GDNState):  # conv [B, C, Kc] (C = q|k|v channels: replicated), rec [B, Hv, Dk, Dv]
+            return GDNState(conv=P(batch, None, None), recurrent=P(batch, heads("gdn_heads"), None, None))
+        return jax.tree.map(lambda a: _batch_spec(mesh, a.ndim, rules), layer)
+
+    layers = [spec(layer) for layer in cache.layers]
+    return HybridCache(layers=tuple(layers), index=P())
 
 
 def _check_batch(B: int, mesh, rules=LOGICAL_RULES) -> None:
@@ -663,18 +852,26 @@ def _rules_key(rules):
 
 
 def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_RULES,
-                capacity_factor: float | None = None):
-    """A sharded copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh` (the playbook's DP attention +
-    EP experts: `make_mesh(expert=8)`, or `make_mesh(data=2, expert=4)`):
+                capacity_factor: float | None = None, moe_chunks: int = 1):
+    """A sharded copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh`. The layout is the rules table
+    (`rules`, see `rules_with`) applied to the mesh:
 
-      parameters   placed by `param_specs` (the rules table): expert weights A[E_X, 2I, H] split over the
-                   "experts" axes (E/n per device), attention, GDN, router, shared expert, embeddings replicated
-                   (no "model" axis on the mesh), so attention runs data-parallel;
-      MoE blocks   switched to `moe_ep` with `moe_exchange` "allgather" (exact) or "alltoall" (capacity
-                   `capacity_factor`, default 1.25; `num_experts / top_k` guarantees no drops);
-      cache        `smodel.init_cache(B, S)` gives a cache split over the "batch" axes (all mesh axes here);
-                   `logits, cache = smodel(ids, cache=cache)` runs one jit; B must be a multiple of the batch
-                   devices (a `ShardingError` says so).
+      DP attention + EP (the playbook's; default rules, `make_mesh(expert=8)` or `make_mesh(data=2, expert=4)`):
+                   expert weights A[E_X, 2I, H] split over the "experts" axes (E/n per device); attention, GDN,
+                   router, shared expert, embeddings replicated; the batch and its cache split over every axis.
+      TP attention (a "model" axis, e.g. `make_mesh(expert=4, model=2)`): q/k/v/o heads, the vocabulary and the
+                   shared expert split over "model" (Megatron-style; XLA inserts the all-reduces), the KV cache
+                   split by KV head; tokens replicated over "model". `check_mesh` refuses head counts that do not
+                   divide; `rules_with(kv_heads=())` replicates the KV heads instead (what TP=8 with 2 KV heads
+                   would need: every device then holds the whole KV cache, see `memory_plan`).
+      TP-MoE       `rules_with(expert_mlp=("model",))`: each expert's width split over "model" (gate/up rows
+                   regrouped by `tp_interleave_gate_up` when placed, down split by columns), partial outputs
+                   all-reduced; with an "expert" axis too, the EP x TP hybrid.
+
+    MoE blocks switch to `moe_ep` with `moe_exchange` "allgather" (exact) or "alltoall" (capacity
+    `capacity_factor`, default 1.25; `num_experts / top_k` guarantees no drops), in `moe_chunks` pieces.
+    `smodel.init_cache(B, S)` gives a cache placed to match; `logits, cache = smodel(ids, cache=cache)` runs one
+    jit; B must be a multiple of the batch devices (a `ShardingError` says so).
 
     The original model is untouched (the copy holds new arrays)."""
     from flax import nnx
@@ -683,19 +880,27 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
         raise ValueError(f"moe_exchange must be one of {SCHEMES}, got {moe_exchange!r}")
     cls = sharded_model_class()
     check_mesh(model.config, mesh, rules)
-    if not mesh_axes_for("experts", mesh, rules):
+    if not mesh_axes_for("experts", mesh, rules) and not mesh_axes_for("expert_mlp", mesh, rules):
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to; use e.g. "
-                            f"make_mesh(expert=8) or make_mesh(data=2, expert=4)")
+                            f"make_mesh(expert=8) or make_mesh(data=2, expert=4) (or TP-MoE: a 'model' axis with "
+                            f"rules_with(expert_mlp=('model',)))")
     rules_key = _rules_key(rules)
+    m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = param_specs(params, mesh, rules)
+
+    def regroup(path, leaf):  # TP-MoE: gate|up rows regrouped so each device's contiguous slice is [gate_j; up_j]
+        return tp_interleave_gate_up(leaf, m) if m > 1 and _path_name(path).endswith("gate_up_proj") else leaf
+
+    params = jax.tree_util.tree_map_with_path(regroup, params)
     placed = jax.device_put(params, _named(mesh, specs))
     rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, P())) if jax.tree.leaves(rest) else rest
     smodel = nnx.merge(graphdef, placed, rest)
     smodel.__class__ = cls  # same attributes, sharded methods
     smodel.mesh, smodel.rules = mesh, rules_key
     for layer in smodel.model.layers:
-        layer.mlp.use_expert_parallel(mesh, moe_exchange, capacity_factor)
+        layer.mlp.use_expert_parallel(mesh, moe_exchange, capacity_factor, rules=rules_key, chunks=moe_chunks,
+                                      gate_up_layout="tp_interleaved" if m > 1 else "checkpoint")
     return smodel
 
 

@@ -55,6 +55,38 @@ def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange)
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0, err_msg=f"{exchange} step {step}")
 
 
+TP_LAYOUTS = {
+    # TP attention (heads, vocab, shared expert over "model") + the EP x TP-MoE hybrid (each expert's width over
+    # "model", experts over "expert")
+    "tp_attention+ep_x_tp_moe": (dict(expert=4, model=2), dict(rules=S.rules_with(expert_mlp=("model",)))),
+    # TP=4 attention with the 2 KV heads replicated (what TP=8 on the real model must do), chunked exchange
+    "tp4_replicated_kv+chunks": (dict(expert=2, model=4), dict(rules=S.rules_with(kv_heads=()), moe_chunks=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(TP_LAYOUTS))
+def test_tensor_parallel_layouts_equal_unsharded(tiny_model_and_reference, layout):
+    model, ids, ref = tiny_model_and_reference
+    axes, kw = TP_LAYOUTS[layout]
+    smodel = S.shard_model(model, S.make_mesh(**axes), **kw)
+    attn = smodel.model.layers[3].self_attn
+    assert attn.q_proj.weight[...].sharding.spec == P("model", None)  # query heads split
+    kv_split = layout.startswith("tp_attention")
+    assert attn.k_proj.weight[...].sharding.spec == (P("model", None) if kv_split else P(None, None))
+    gu = smodel.model.layers[0].mlp.experts.gate_up_proj[...]
+    if "tp_moe" in layout:  # experts over "expert", each expert's 2I rows over "model", regrouped [gate_j; up_j]
+        assert gu.sharding.spec == P("expert", "model", None)
+        I = model.config.moe_intermediate_size
+        np.testing.assert_array_equal(np.asarray(S.tp_deinterleave_gate_up(gu, 2)),
+                                      np.asarray(model.model.layers[0].mlp.experts.gate_up_proj[...]))
+        assert gu.addressable_shards[0].data.shape[1] == I
+    cache = smodel.init_cache(8, 16)
+    assert cache.layers[3].k.sharding.spec == P("expert", None, "model" if kv_split else None, None)
+    for step, sl in enumerate((slice(0, 7), slice(7, 8), slice(8, 9))):
+        logits, cache = smodel(ids[:, sl], cache=cache)
+        np.testing.assert_allclose(np.asarray(logits), ref[step], atol=2e-5, rtol=0, err_msg=f"{layout} {step}")
+
+
 def test_two_level_mesh_specs_and_batch_errors(tiny_model_and_reference):
     model, ids, _ = tiny_model_and_reference
     mesh = S.make_mesh(data=2, expert=4)

@@ -55,7 +55,8 @@ def test_logical_to_spec_follows_the_rules_table():
 
 
 def test_param_logical_axes_and_specs_for_every_parameter():
-    assert S.param_logical_axes("model.layers.3.mlp.experts.gate_up_proj", (8, 64, 64)) == ("experts", None, None)
+    assert S.param_logical_axes("model.layers.3.mlp.experts.gate_up_proj", (8, 64, 64)) == ("experts", "expert_mlp",
+                                                                                              None)
     assert S.param_logical_axes("model.layers.3.self_attn.k_proj.weight") == ("kv_heads", "hidden")
     with pytest.raises(S.ShardingError, match="no logical axes known for parameter 'model.foo.weight'"):
         S.param_logical_axes("model.foo.weight")
@@ -260,3 +261,130 @@ def test_moe_comm_bytes_match_the_compiled_hlo(scheme):
         assert got["reduce-scatter"] == want["reduce_scatter"]
     else:
         assert got["ops"] == 2 and got["all-to-all"] == want["total"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tensor-parallel experts, the EP x TP hybrid, chunked exchange, hierarchical all-gather, placement by load
+TP = S.rules_with(expert_mlp=("model",))
+LAYOUTS = {  # name -> (mesh axes, moe_ep keywords)
+    "tp8": (dict(model=8), dict(rules=TP)),
+    "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP)),
+    "ep2_tp4_chunks2": (dict(expert=2, model=4), dict(rules=TP, chunks=2)),
+    "ep8_chunks4": (dict(expert=8), dict(chunks=4)),
+    "chip_core_chunks2": (dict(chip=4, core=2), dict(chunks=2)),
+    "a2a_ep4_tp2": (dict(expert=4, model=2), dict(rules=TP, scheme="alltoall", capacity_factor=8.0)),
+    "a2a_ep8_chunks2": (dict(expert=8), dict(scheme="alltoall", capacity_factor=8.0, chunks=2)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tp_moe_hybrid_and_chunked_exchange_equal_the_dense_reference(layout, rng):
+    axes, kw = LAYOUTS[layout]
+    x, w, _, gu, dn = _routed_inputs(rng, N=32)
+    # uneven routing: experts 12-15 get no slots, the others 2-10 each (distinct experts per token)
+    e = jnp.asarray(np.stack([rng.choice(12, 2, replace=False) for _ in range(32)]), jnp.int32)
+    assert set(np.unique(np.asarray(e))) == set(range(12))
+    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(**axes), local_impl="dense", **kw)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(experts_dense(x, w, e, gu, dn)), rtol=1e-5, atol=1e-6)
+
+
+def test_tp_interleave_gives_each_device_its_gate_and_up_columns(rng):
+    E, I, H, m = 3, 8, 5, 4
+    gu = rng.normal(size=(E, 2 * I, H)).astype(np.float32)
+    inter = np.asarray(S.tp_interleave_gate_up(jnp.asarray(gu), m))
+    for j, piece in enumerate(np.split(inter, m, axis=1)):  # device j's contiguous slice
+        np.testing.assert_array_equal(piece[:, : I // m], gu[:, j * I // m:(j + 1) * I // m])  # gate_j
+        np.testing.assert_array_equal(piece[:, I // m:], gu[:, I + j * I // m: I + (j + 1) * I // m])  # up_j
+    np.testing.assert_array_equal(np.asarray(S.tp_deinterleave_gate_up(jnp.asarray(inter), m)), gu)
+    with pytest.raises(S.ShardingError, match="expert width I = 8 cannot be split over a tensor-parallel group of 3"):
+        S.tp_interleave_gate_up(jnp.asarray(gu), 3)
+
+
+def test_tp_and_chunk_errors_name_the_axis():
+    x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=16, I=6)
+    with pytest.raises(S.ShardingError, match=r"expert width I = 6 cannot be split over model=4 \(expert_mlp\)"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=2, model=4), rules=TP)
+    x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=16, I=8)
+    with pytest.raises(S.ShardingError, match="'alltoall' .* use scheme 'allgather'"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(model=8), rules=TP, scheme="alltoall")
+    with pytest.raises(S.ShardingError, match="chunks=3 must divide the 2 tokens per device"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), chunks=3)
+    with pytest.raises(S.ShardingError, match="no rule for logical axis 'expert_width'"):
+        S.rules_with(expert_width=("model",))
+
+
+def test_hierarchical_all_gather_equals_flat():
+    mesh = S.make_mesh(chip=4, core=2)
+    spec = P(("chip", "core"))
+    x = jnp.arange(8 * 3 * 2, dtype=jnp.float32).reshape(8 * 3, 2)
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=P(), check_vma=False))  # noqa: E731
+    hier = run(lambda x: S.hierarchical_all_gather(x, "core", "chip"))
+    flat = run(lambda x: jax.lax.all_gather(x, ("chip", "core"), axis=0, tiled=True))
+    np.testing.assert_array_equal(np.asarray(hier(x)), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(hier(x)), np.asarray(flat(x)))
+    # across chips first (groups of 4), then inside each chip (groups of 2)
+    assert _replica_groups(hier.lower(x).compile().as_text(), "all-gather") == [
+        "{{0,2,4,6},{1,3,5,7}}", "{{0,1},{2,3},{4,5},{6,7}}"]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_tp_moe_comm_bytes_match_the_compiled_hlo(chunks):
+    cfg = C.tiny(num_experts=16)
+    N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    mesh = S.make_mesh(expert=4, model=2)  # EP 4 x TP 2: tokens split 4 ways (t = 8), replicated over "model"
+    f = jax.jit(functools.partial(S.moe_ep, mesh=mesh, rules=TP, local_impl="dense", chunks=chunks))
+    args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
+            jnp.zeros((E, H, I)))
+    hlo = f.lower(*args).compile().as_text()
+    got = S.hlo_collective_bytes(hlo)
+    want = S.moe_comm_bytes(cfg, 8, 4, "allgather", dtype_bytes=4, tp_size=2)
+    assert want["all_reduce_tp"] == 2 * 1 * 8 * H * 4 // 2
+    assert got["all-reduce"] == want["all_reduce_tp"]
+    assert got["total"] == want["total"]  # chunking moves the same bytes ...
+    # ... in K times as many (smaller, independent) all-gathers (tokens, routing) and reduce-scatters; XLA's
+    # all-reduce combiner may merge the K TP all-reduces into one tuple all-reduce (it does on CPU)
+    assert len(re.findall(r" all-gather\(", hlo)) == 2 * chunks
+    assert len(re.findall(r" reduce-scatter\(", hlo)) == chunks
+
+
+def test_hlo_collective_bytes_reads_async_collectives():
+    # the forms TPU/GPU schedules emit (collectives overlapped with compute), written as XLA prints them
+    hlo = "\n".join([
+        "  %ag = (bf16[4,64]{1,0}, bf16[32,64]{1,0}) all-gather-start(bf16[4,64]{1,0} %x), channel_id=1, "
+        "replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true",
+        "  %agd = bf16[32,64]{1,0} all-gather-done((bf16[4,64]{1,0}, bf16[32,64]{1,0}) %ag)",
+        "  %ar = f32[8,64]{1,0} all-reduce-start(f32[8,64]{1,0} %y), channel_id=2, replica_groups={{0,1},{2,3},"
+        "{4,5},{6,7}}, to_apply=%add",
+        "  %ard = f32[8,64]{1,0} all-reduce-done(f32[8,64]{1,0} %ar)",
+        "  %rs = bf16[4,64]{1,0} reduce-scatter(bf16[32,64]{1,0} %z), channel_id=3, replica_groups=[1,8]<=[8], "
+        "dimensions={0}, to_apply=%add",
+        "  %cnt = s32[] all-reduce(s32[] %c), channel_id=4, replica_groups=[1,8]<=[8], to_apply=%add",
+    ])
+    got = S.hlo_collective_bytes(hlo)
+    assert got["all-gather"] == 7 * 32 * 64 * 2 // 8
+    assert got["all-reduce"] == 2 * 1 * 8 * 64 * 4 // 2
+    assert got["reduce-scatter"] == 7 * 4 * 64 * 2
+    assert got["ops"] == 3 and got["async"] == 2  # the scalar counter is skipped; "-done" ops are not counted
+
+
+def test_balanced_expert_placement_evens_device_load_and_keeps_the_output(rng):
+    cfg, block = _moe_block(16)
+    x = jnp.asarray(rng.normal(size=(4, 16, cfg.hidden_size)), jnp.float32)
+    router = np.asarray(block.gate.weight[...]).copy()
+    router[:4] += 2.0 * np.asarray(x).reshape(-1, cfg.hidden_size).mean(0)  # experts 0-3 hot: all on device 0
+    block.gate.weight[...] = jnp.asarray(router)
+    ref, _ = block(x)
+    _, e, _ = route(x.reshape(-1, cfg.hidden_size), block.gate.weight[...], block.top_k)
+    load = np.bincount(np.asarray(e).ravel(), minlength=16)
+    perm = S.balanced_expert_placement(load, 4)
+    assert sorted(perm.tolist()) == list(range(16))
+    before, after = load.reshape(4, 4).sum(1), load[perm].reshape(4, 4).sum(1)
+    assert after.max() < before.max() and after.max() <= load.sum() / 4 + load.max()  # LPT's bound
+    # relabel the experts: router rows and expert weights permuted together give the same output
+    block.gate.weight[...] = jnp.asarray(router[perm])
+    block.experts.gate_up_proj[...] = block.experts.gate_up_proj[...][perm]
+    block.experts.down_proj[...] = block.experts.down_proj[...][perm]
+    y, _ = block(x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    _, e2, _ = route(x.reshape(-1, cfg.hidden_size), block.gate.weight[...], block.top_k)
+    np.testing.assert_array_equal(np.bincount(np.asarray(e2).ravel(), minlength=16), load[perm])
