@@ -1,7 +1,8 @@
 """Ragged paged attention: one call attends a mixed batch of prefill chunks and decode tokens over a paged KV cache.
 
-This module holds the pure-JAX reference (gather the pages, then attend); the Pallas TPU kernel lives beside it.
-Both share one signature, so the serving engine and the model can switch between them by `backend`.
+This module holds the pure-JAX reference (gather the pages, then attend) and the Pallas TPU kernel
+`ragged_paged_attention`. Both share one signature, so the serving engine and the model can switch between them by
+`backend`.
 
 Layouts (S = number of sequence slots, Tq = total query tokens of the step, P = pages per sequence):
   q            [Tq, Hq, D]             queries of all sequences, packed back to back (sequence s owns
@@ -20,10 +21,15 @@ h // (Hq / Hkv) (GQA). Scores and softmax are float32; the output has q's dtype.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["ragged_paged_attention_reference", "check_ragged_inputs"]
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_ragged_inputs", "default_interpret",
+           "rpa_cost"]
 
 
 def check_ragged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
@@ -83,3 +89,190 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices,
     denom = jnp.sum(p, axis=-1, keepdims=True)
     o = jnp.einsum("tkgl,tlkd->tkgd", p / jnp.where(denom > 0, denom, 1.0), vq)
     return o.reshape(Tq, Hq, D).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The Pallas TPU kernel.
+#
+# Schedule (the design of jax's / tpu-inference's ragged paged attention, written small):
+#   * grid = (Tq / block_q,): the packed query axis is cut into fixed blocks of `block_q` tokens, *ignoring*
+#     sequence boundaries. A block of decode tokens therefore holds `block_q` different sequences (the "batched"
+#     decode: several sequences per grid step), a block of a long prefill chunk holds one.
+#   * per block, a loop over the sequences that overlap it (their range comes from scalar prefetch); for each, a
+#     loop over its KV pages in groups of `pages_per_block`, each page fetched from HBM by its own DMA (the page
+#     table is read from SMEM), double-buffered: group b+1 is in flight while group b is multiplied.
+#   * only the pages up to the block's last visible position are fetched (causal skip); online softmax in fp32
+#     per KV head, the G = Hq/Hkv query heads of that KV head stacked as rows [block_q·G, D] of one matmul (GQA).
+#   * the rows of the block that belong to the sequence are written at the end of its loop; rows of no sequence
+#     (padding, slots >= num_seqs) stay 0, as in the reference.
+#   * VMEM layout: the pages are viewed (a free reshape) as [num_pages, page_size·Hkv, D] and land as rows of a
+#     [pages_per_block·page_size·Hkv, D] buffer, D on the lanes with no padding of the small Hkv axis; KV head h's
+#     keys are every Hkv-th row, read with a strided load (as tpu-inference's kernel does).
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def default_interpret(interpret=None):
+    """`interpret=None` -> TPU interpret mode (`pltpu.InterpretParams()`) unless running on a TPU."""
+    if interpret is None:
+        return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
+    return interpret
+
+
+def _rpa_kernel(kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar prefetch (SMEM)
+                q_ref, k_hbm, v_hbm,                                     # inputs: q block (VMEM), pages (HBM)
+                o_ref,                                                   # output block (VMEM)
+                k_buf, v_buf, sems,                                      # scratch
+                *, block_q, pages_per_block, page_size, pages_per_seq, sm_scale):
+    bq, Hkv, G, D = q_ref.shape
+    ppb, ps, P = pages_per_block, page_size, pages_per_seq
+    L = ppb * ps                      # keys per KV block
+    rows = bq * G
+    i = pl.program_id(0)
+    blk_start = i * bq
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    q = q_ref[...]
+    tok_row = blk_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), G)    # token of each score row
+    tok = blk_start + jax.lax.broadcasted_iota(jnp.int32, (bq, 1, 1), 0)              # token of each output row
+
+    def seq_body(s, _):
+        q_start, q_end = cu_ref[s], cu_ref[s + 1]
+        q_len, kv_len = q_end - q_start, kv_lens_ref[s]
+        lo, hi = jnp.maximum(q_start, blk_start), jnp.minimum(q_end, blk_start + bq)
+
+        @pl.when(hi > lo)
+        def _attend():
+            last_pos = kv_len - q_len + (hi - 1 - q_start)       # position of the block's last token of seq s
+            n_blocks = jax.lax.div(jax.lax.div(last_pos, ps) + ppb, ppb)  # KV blocks it sees (causal skip)
+
+            def for_pages(b, slot, action):    # one K and one V DMA per page of KV block b, into buffer `slot`
+                def body(j, c):
+                    page = pt_ref[s * P + jnp.minimum(b * ppb + j, P - 1)]   # clamped: tail pages are masked
+                    rows_j = pl.ds(j * ps * Hkv, ps * Hkv)                    # page j's rows in the buffer
+                    for src, dst, sem in ((k_hbm, k_buf, sems.at[0, slot]), (v_hbm, v_buf, sems.at[1, slot])):
+                        action(pltpu.make_async_copy(src.at[page], dst.at[slot, rows_j], sem))
+                    return c
+
+                jax.lax.fori_loop(0, ppb, body, 0)
+
+            for_pages(0, 0, lambda c: c.start())
+            pos = kv_len - q_len + tok_row - q_start                          # [rows, 1]
+            in_seq = (tok_row >= lo) & (tok_row < hi)
+
+            def kv_body(b, carry):
+                slot = jax.lax.rem(b, 2)   # lax.rem/div, not % and //: those lower through sign(), which needs a TPU
+
+                @pl.when(b + 1 < n_blocks)
+                def _prefetch():
+                    for_pages(b + 1, 1 - slot, lambda c: c.start())
+
+                for_pages(b, slot, lambda c: c.wait())
+                kpos = b * L + jax.lax.broadcasted_iota(jnp.int32, (1, L), 1)
+                mask = in_seq & (kpos <= pos)                                 # [rows, L]
+                new = []
+                for h in range(Hkv):
+                    m, l, acc = carry[h]
+                    qh = q[:, h].reshape(rows, D)
+                    # Buffer row (key·Hkv + h): KV head h's L keys are every Hkv-th row (a strided load).
+                    kh = k_buf[slot, pl.ds(h, L, stride=Hkv), :]
+                    vh = v_buf[slot, pl.ds(h, L, stride=Hkv), :]
+                    sc = jax.lax.dot_general(qh, kh, (((1,), (1,)), ((), ())),
+                                             preferred_element_type=jnp.float32) * sm_scale
+                    sc = jnp.where(mask, sc, _MASK)
+                    m_new = jnp.maximum(m, jnp.max(sc, axis=1, keepdims=True))
+                    alpha = jnp.exp(m - m_new)
+                    p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
+                    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+                    pv = jax.lax.dot_general(p.astype(vh.dtype), vh, (((1,), (0,)), ((), ())),
+                                             preferred_element_type=jnp.float32)
+                    new.append((m_new, l, alpha * acc + pv))
+                return tuple(new)
+
+            init = tuple((jnp.full((rows, 1), _MASK, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+                          jnp.zeros((rows, D), jnp.float32)) for _ in range(Hkv))
+            final = jax.lax.fori_loop(0, n_blocks, kv_body, init)
+            keep = (tok >= lo) & (tok < hi)                                   # [bq, 1, 1]
+            for h in range(Hkv):
+                _, l, acc = final[h]
+                o_h = (acc / jnp.where(l > 0, l, 1.0)).reshape(bq, G, D).astype(o_ref.dtype)
+                o_ref[:, h] = jnp.where(keep, o_h, o_ref[:, h])
+
+        return 0
+
+    jax.lax.fori_loop(seq_lo_ref[i], seq_hi_ref[i], seq_body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "interpret"))
+def _rpa(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block_q, pages_per_block,
+         interpret):
+    Tq, Hq, D = q.shape
+    _, ps, Hkv, _ = k_pages.shape
+    S, P = page_indices.shape
+    G = Hq // Hkv
+    bq = block_q
+    nqb = max(1, -(-Tq // bq))
+    q4 = jnp.pad(q, ((0, nqb * bq - Tq), (0, 0), (0, 0))).reshape(nqb * bq, Hkv, G, D)
+    cu = cu_q_lens.astype(jnp.int32)
+    blk_start = jnp.arange(nqb, dtype=jnp.int32) * bq
+    # Sequences overlapping q block i: [seq_lo, seq_hi) = (ends <= block start) .. (starts < block end), < num_seqs.
+    seq_lo = jnp.sum(cu[None, 1:] <= blk_start[:, None], axis=1).astype(jnp.int32)
+    seq_hi = jnp.sum(cu[None, :S] < blk_start[:, None] + bq, axis=1).astype(jnp.int32)
+    seq_hi = jnp.minimum(seq_hi, jnp.minimum(num_seqs[0], S)).astype(jnp.int32)
+    kernel = functools.partial(_rpa_kernel, block_q=bq, pages_per_block=pages_per_block, page_size=ps,
+                               pages_per_seq=P, sm_scale=sm_scale)
+    q_spec = pl.BlockSpec((bq, Hkv, G, D), lambda i, *_: (i, 0, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(nqb,),
+            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=q_spec,
+            scratch_shapes=[pltpu.VMEM((2, pages_per_block * ps * Hkv, D), k_pages.dtype),
+                            pltpu.VMEM((2, pages_per_block * ps * Hkv, D), v_pages.dtype),
+                            pltpu.SemaphoreType.DMA((2, 2))],
+        ),
+        out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu, seq_lo, seq_hi,
+      q4, k_pages.reshape(-1, ps * Hkv, D), v_pages.reshape(-1, ps * Hkv, D))   # free reshapes: pages stay put
+    return out.reshape(nqb * bq, Hq, D)[:Tq]
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                           sm_scale: float | None = None, block_q: int = 8, pages_per_block: int | None = None,
+                           interpret=None) -> jax.Array:
+    """The Pallas TPU kernel: same arguments, layouts and result as `ragged_paged_attention_reference`.
+
+    block_q: query tokens per grid step (a block of decode tokens is `block_q` sequences at once).
+    pages_per_block: KV pages fetched per inner step (default: enough for 128 keys, at least 1). Each page is
+    one DMA, so small pages mean many small DMAs and many page-table reads: the reason 256-token pages beat
+    16-token ones on TPU. interpret: None = TPU interpret mode off TPU, or a `pltpu.InterpretParams` / bool.
+    Entries of `page_indices` past a sequence's pages must still be valid page ids (they may be fetched, then
+    masked); kv_lens[s] >= q_len(s) for every used sequence.
+    """
+    check_ragged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    page_size = k_pages.shape[1]
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // page_size)
+    pages_per_block = min(pages_per_block, page_indices.shape[1])   # never more than a sequence can own
+    if not isinstance(block_q, int) or block_q < 1 or not isinstance(pages_per_block, int) or pages_per_block < 1:
+        raise ValueError(f"block_q and pages_per_block must be positive ints, got {block_q!r}, {pages_per_block!r}")
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    return _rpa(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale, block_q=block_q,
+                pages_per_block=pages_per_block, interpret=default_interpret(interpret))
+
+
+def rpa_cost(kv_lens, q_lens, *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             dtype_bytes: int = 2) -> dict:
+    """Napkin math for one call: FLOPs (QKᵀ and PV, causal), bytes (KV pages read once per sequence, q and o),
+    and the number of page DMAs. kv_lens, q_lens: per-sequence Python ints."""
+    flops = kv_bytes = n_dma = 0
+    for kv, ql in zip(kv_lens, q_lens):
+        seen = sum(kv - ql + t + 1 for t in range(ql))             # (query, key) pairs under the causal mask
+        flops += 4 * seen * num_q_heads * head_dim
+        pages = -(-kv // page_size)
+        kv_bytes += 2 * pages * page_size * num_kv_heads * head_dim * dtype_bytes
+        n_dma += 2 * pages
+    q_bytes = 2 * sum(q_lens) * num_q_heads * head_dim * dtype_bytes
+    return {"flops": flops, "bytes": kv_bytes + q_bytes, "kv_bytes": kv_bytes, "page_dmas": n_dma}

@@ -204,6 +204,31 @@ def gqa_attention(q, k, v, *, q_positions: jax.Array, kv_len: int | jax.Array | 
     return o.reshape(B, T, Hq, Dh).astype(q.dtype)
 
 
+def _pallas_attention(q, k, v, *, q_positions: jax.Array, kv_len: int | jax.Array):
+    """`gqa_attention` through the ragged paged attention kernel (`backend="pallas"`): the dense [B, S, Hkv, Dh]
+    K/V is a paged cache with a trivial page table (sequence b owns pages b·P .. b·P + P − 1), the queries are
+    packed [B·T, Hq, Dh] with cu_q_lens = T·arange(B + 1), and every sequence holds kv_len tokens. The queries are
+    the last T of them (q_positions = kv_len − T + arange(T), as the model always calls it)."""
+    from qwen35.kernels.ragged_paged_attention import ragged_paged_attention  # kernels import this module
+
+    del q_positions  # implied by kv_len: the kernel places the T queries at kv_len - T .. kv_len - 1
+    B, T, Hq, Dh = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    page_size = next((p for p in (256, 128, 64, 32, 16, 8) if S % p == 0), 8)
+    S_pad = -(-S // page_size) * page_size
+    if S_pad != S:
+        k, v = (jnp.pad(t, ((0, 0), (0, S_pad - S), (0, 0), (0, 0))) for t in (k, v))
+    P = S_pad // page_size
+    k_pages = k.reshape(B * P, page_size, Hkv, Dh)
+    v_pages = v.reshape(B * P, page_size, Hkv, Dh)
+    page_indices = jnp.arange(B * P, dtype=jnp.int32).reshape(B, P)
+    kv_lens = jnp.full((B,), kv_len, jnp.int32)
+    cu_q_lens = T * jnp.arange(B + 1, dtype=jnp.int32)
+    o = ragged_paged_attention(q.reshape(B * T, Hq, Dh), k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                               jnp.array([B], jnp.int32))
+    return o.reshape(B, T, Hq, Dh)
+
+
 # ------------------------------------------------------------------------------------------------------------
 class KVCache(NamedTuple):
     """Per-layer KV cache: k, v [B, S_max, Hkv, Dh]; keys stored after k_norm and RoPE. How many slots are filled
@@ -233,7 +258,8 @@ class GatedAttention(nnx.Module):
     `cache_index` is how many tokens the cache already holds = the position of x[:, 0] (an int or a traced int32
     scalar). Without a cache: causal attention over the T tokens (RoPE positions start at cache_index), returns
     (y, None). With a cache: the new keys/values are written at [cache_index, cache_index + T) and the T queries
-    attend over the cache up to their own position; returns (y, updated cache).
+    attend over the cache up to their own position; returns (y, updated cache). With `config.backend == "pallas"`
+    the attention core is the ragged paged attention kernel (`_pallas_attention`), otherwise `gqa_attention`.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
@@ -307,15 +333,16 @@ class GatedAttention(nnx.Module):
         q = apply_rope(q, cos, sin, self.rotary_dim)
         k = apply_rope(k, cos, sin, self.rotary_dim)
 
+        attend = _pallas_attention if self.config.backend == "pallas" else gqa_attention
         if cache is None:
-            o = gqa_attention(q, k, v, q_positions=jnp.arange(T))
+            o = attend(q, k, v, q_positions=jnp.arange(T), kv_len=T)
             new_cache = None
         else:
             zero = jnp.zeros((), jnp.int32)
             ck = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (zero, start, zero, zero))
             cv = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
             new_cache = KVCache(ck, cv)
-            o = gqa_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=positions, kv_len=start + T)
+            o = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=positions, kv_len=start + T)
 
         o = o.reshape(B, T, Hq * Dh)
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)

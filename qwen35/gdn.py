@@ -347,6 +347,7 @@ class GatedDeltaNet(nnx.Module):
     `__call__(x [B, T, H], state=None) -> (y [B, T, H], GDNState)`. With no state the layer starts from zeros;
     with a state, a single token takes the recurrent step (conv update + one delta-rule step) and anything longer
     takes the chunked rule from the cached state. The returned state continues the sequence.
+    With `config.backend == "pallas"` the rule runs in the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`).
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, chunk_size: int = 64):
@@ -384,6 +385,10 @@ class GatedDeltaNet(nnx.Module):
         a = self.in_proj_a(x)
 
         w = self.conv1d.weight[...]
+        if self.config.backend == "pallas":
+            o, conv_state, rec = self._pallas_mixer(mixed, a, b, w, state)
+            o = self.norm(o, z).reshape(B, T, self.value_dim)
+            return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
         if state is not None and T == 1:
             y, conv_state = causal_conv1d_update(mixed[:, 0], w, state.conv)
             mixed = y[:, None]
@@ -411,3 +416,29 @@ class GatedDeltaNet(nnx.Module):
                                             use_qk_l2norm=True)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
+
+    def _pallas_mixer(self, mixed, a, b, w, state):
+        """backend="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
+        recurrent step in one kernel); anything longer through the XLA conv and the `chunk_gated_delta_rule_pallas`
+        kernel (grouped heads read in place, no repeat). Returns (o [B, T, Hv, Dv], conv_state, recurrent)."""
+        from qwen35.kernels.chunked_gdn import chunk_gated_delta_rule_pallas  # lazy: the kernels import this module
+        from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
+
+        B, T, _ = mixed.shape
+        if state is not None and T == 1:
+            o, conv_state, rec = fused_gdn_decode(
+                mixed[:, 0], a[:, 0], b[:, 0], state.conv, state.recurrent, w, self.A_log[...], self.dt_bias[...],
+                num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
+            return o[:, None], conv_state, rec
+        mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
+        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=self.chunk_size,
+                                               initial_state=None if state is None else state.recurrent,
+                                               use_qk_l2norm=True)
+        return o, conv_state, rec

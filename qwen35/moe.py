@@ -473,7 +473,9 @@ class SparseMoeBlock(nnx.Module):
     [H, Is], `shared_expert_gate.weight` [1, H].
 
     `impl` picks the expert path: "sorted" (default; a decode-sized batch with N·k <= E takes `experts_gather`,
-    the same sum with the used experts' weights gathered), "dense" or "capacity" (with `capacity_factor`, default
+    the same sum with the used experts' weights gathered; with `config.backend == "pallas"` every batch size takes
+    the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
+    unpermute), "dense" or "capacity" (with `capacity_factor`, default
     1.25; its drop statistics are available from `experts_capacity`). `grouped_method` is passed to
     `grouped_swiglu` by the sorted path. `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
@@ -524,6 +526,10 @@ class SparseMoeBlock(nnx.Module):
 
             return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
                           capacity_factor=self.ep_capacity_factor, **dict(getattr(self, "ep_options", ())))
+        if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
+            from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
+
+            return experts_sorted_pallas(x, weights, experts, gu, dn)
         if self.impl == "dense":
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":

@@ -1,0 +1,258 @@
+"""Grouped matmul with fused SwiGLU: the expert MLP of a sorted MoE batch, as two Pallas TPU kernels.
+
+Rows of `x_sorted [M, H]` are sorted by expert; `group_sizes [E]` (Σ = M, zeros allowed) says how many rows each
+expert owns, in order. Expert e maps its rows through
+
+    a = silu(x G_eᵀ) ⊙ (x U_eᵀ)      gate_up [E, 2I, H] = [G_e; U_e]  (the checkpoint's layout, rows gate then up)
+    y = a D_eᵀ                        down [E, H, I]
+
+`grouped_swiglu_reference` is the plain-JAX reference (a loop over experts with masks, written to be obviously
+right; `qwen35.moe.grouped_swiglu` is the package's fast XLA path). `grouped_swiglu` runs the kernels:
+
+  1. `gmm_swiglu`: grid (I / ti, visits, H / tk). A *visit* is one (row tile, expert) pair whose rows intersect
+     (megablox's schedule): a row tile of `tm` rows that straddles a group boundary is visited once per expert,
+     and each visit writes only its expert's rows. Gate and up tiles of the same expert are fetched in the same
+     step (two BlockSpecs on the packed gate_up, the up one offset by I rows) and accumulated in fp32 VMEM
+     scratch over the H loop; on the last H step SiLU(gate) ⊙ up is applied and written: the [M, 2I]
+     intermediate never exists.
+  2. `gmm`: the down projection [M, I] x [E, H, I] -> [M, H] with the same visit schedule.
+
+Empty groups produce no visits; the visit list has a static bound (row tiles + E - 1) and the unused tail
+repeats the last visit with its compute skipped. Inputs may be bf16; products accumulate in fp32.
+
+FP8 block-scaled expert weights are not handled: the checkpoint loader (`qwen35.weights`) dequantises FP8 to
+bf16/fp32 on load, so the kernel only ever sees bf16/fp32 weights.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from qwen35.kernels.ragged_paged_attention import default_interpret
+
+__all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
+           "group_metadata", "gmm_cost"]
+
+
+def _check(x_sorted, group_sizes, gate_up, down):
+    if x_sorted.ndim != 2:
+        raise ValueError(f"x_sorted must be [M, H], got shape {tuple(x_sorted.shape)}")
+    if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [E, 2I, H] (rows: gate then up), got shape {tuple(gate_up.shape)}")
+    E, I2, H = gate_up.shape
+    if H != x_sorted.shape[1]:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} has hidden size {H} but x_sorted has {x_sorted.shape[1]}")
+    if tuple(down.shape) != (E, H, I2 // 2):
+        raise ValueError(f"down must be [E, H, I] = {(E, H, I2 // 2)}, got {tuple(down.shape)}")
+    if tuple(group_sizes.shape) != (E,):
+        raise ValueError(f"group_sizes must be [E] = [{E}], got shape {tuple(group_sizes.shape)}")
+    return E, H, I2 // 2
+
+
+def grouped_swiglu_reference(x_sorted, group_sizes, gate_up, down) -> jax.Array:
+    """Each expert on every row, keep the rows it owns (masks from the cumulative group sizes); fp32 math,
+    result in x's dtype. E times the useful FLOPs: a reference, not a fast path."""
+    E, H, I = _check(x_sorted, group_sizes, gate_up, down)
+    M = x_sorted.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    row_group = jnp.sum(jnp.arange(M)[:, None] >= ends[None, :], axis=1)          # [M]
+    owner = jax.nn.one_hot(row_group, E, dtype=jnp.float32)                       # [M, E]; 0 for rows >= Σ
+    x = x_sorted.astype(jnp.float32)
+    g = jnp.einsum("mh,eih->mei", x, gate_up[:, :I].astype(jnp.float32))
+    u = jnp.einsum("mh,eih->mei", x, gate_up[:, I:].astype(jnp.float32))
+    a = jax.nn.silu(g) * u * owner[:, :, None]
+    return jnp.einsum("mei,ehi->mh", a, down.astype(jnp.float32)).astype(x_sorted.dtype)
+
+
+def group_metadata(group_sizes, M: int, tm: int):
+    """The visit schedule. Returns (group_offsets [E+1], visit_group [V], visit_tile [V], num_visits [1]) with the
+    static bound V = ceil(M/tm) + E - 1: the (row tile, expert) pairs whose rows intersect, by expert then tile."""
+    E = group_sizes.shape[0]
+    gs = group_sizes.astype(jnp.int32)
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(gs)])
+    first_tile = offsets[:-1] // tm
+    last_tile = (offsets[1:] - 1) // tm
+    n_vis = jnp.where(gs > 0, last_tile - first_tile + 1, 0)                      # visits of each expert
+    vis_end = jnp.cumsum(n_vis)
+    num_visits = vis_end[-1]
+    V = -(-M // tm) + E - 1
+    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), num_visits - 1)              # tail repeats the last visit
+    group = jnp.sum(v[:, None] >= vis_end[None, :], axis=1).astype(jnp.int32)
+    group = jnp.minimum(group, E - 1)
+    tile = first_tile[group] + v - (vis_end[group] - n_vis[group])
+    return offsets, group, tile.astype(jnp.int32), num_visits.reshape(1).astype(jnp.int32)
+
+
+def _row_mask(offsets_ref, group, tile, tm):
+    rows = tile * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+    return (rows >= offsets_ref[group]) & (rows < offsets_ref[group + 1])
+
+
+def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, o_ref, acc_g, acc_u):
+    v, k = pl.program_id(1), pl.program_id(2)
+    tm = x_ref.shape[0]
+
+    @pl.when(v < nvis_ref[0])
+    def _visit():
+        @pl.when(k == 0)
+        def _init():
+            acc_g[...] = jnp.zeros(acc_g.shape, jnp.float32)
+            acc_u[...] = jnp.zeros(acc_u.shape, jnp.float32)
+
+        x = x_ref[...]
+        nt = (((1,), (1,)), ((), ()))                                              # x [tm, tk] · w [ti, tk]ᵀ
+        acc_g[...] += jax.lax.dot_general(x, g_ref[...], nt, preferred_element_type=jnp.float32)
+        acc_u[...] += jax.lax.dot_general(x, u_ref[...], nt, preferred_element_type=jnp.float32)
+
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _write():
+            a = (jax.nn.silu(acc_g[...]) * acc_u[...]).astype(o_ref.dtype)
+            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
+            o_ref[...] = jnp.where(mask, a, o_ref[...])
+
+
+def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, o_ref, acc):
+    v, k = pl.program_id(1), pl.program_id(2)
+    tm = x_ref.shape[0]
+
+    @pl.when(v < nvis_ref[0])
+    def _visit():
+        @pl.when(k == 0)
+        def _init():
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+        acc[...] += jax.lax.dot_general(x_ref[...], w_ref[...], (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32)
+
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _write():
+            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
+            o_ref[...] = jnp.where(mask, acc[...].astype(o_ref.dtype), o_ref[...])
+
+
+def _tiles(name, size, t):
+    """The tile for a dimension: t if it divides size, else the largest multiple of 128 below t that does, else
+    the whole dimension (always legal on TPU: a block equal to the array's dimension)."""
+    if t is None or t >= size:
+        return size
+    if t < 1:
+        raise ValueError(f"{name} tile must be positive, got {t}")
+    for c in range(t, 0, -1):
+        if size % c == 0 and (c % 128 == 0 or c == t):
+            return c
+    return size
+
+
+def _params(interpret):
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+                interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tm", "ti", "tk", "interpret"))
+def gmm_swiglu(x_padded, meta, gate_up, *, tm, ti, tk, interpret):
+    """x_padded [Mp, H] (Mp a multiple of tm) -> silu(x G_eᵀ) ⊙ (x U_eᵀ) [Mp, I] per row's expert."""
+    Mp, H = x_padded.shape
+    E, I2, _ = gate_up.shape
+    I = I2 // 2
+    V = meta[1].shape[0]
+    nI = I // ti
+    return pl.pallas_call(
+        _gmm_swiglu_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(nI, V, H // tk),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+                pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),       # gate
+                pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n + nI, k)),  # up
+            ],
+            out_specs=pl.BlockSpec((tm, ti), lambda n, v, k, off, grp, til, nv: (til[v], n)),
+            scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32), pltpu.VMEM((tm, ti), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((Mp, I), x_padded.dtype),
+        **_params(interpret),
+    )(*meta, x_padded, gate_up, gate_up)
+
+
+@functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret"))
+def gmm(a_padded, meta, w, *, tm, tn, tk, interpret):
+    """a_padded [Mp, K] x w [E, N, K] (each row by its expert's w_e, contracting K) -> [Mp, N]."""
+    Mp, K = a_padded.shape
+    E, N, _ = w.shape
+    V = meta[1].shape[0]
+    return pl.pallas_call(
+        _gmm_kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(N // tn, V, K // tk),
+            in_specs=[
+                pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+                pl.BlockSpec((None, tn, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),
+            ],
+            out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, off, grp, til, nv: (til[v], n)),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), a_padded.dtype),
+        **_params(interpret),
+    )(*meta, a_padded, w)
+
+
+def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: int | None = 512,
+                   th: int | None = 512, interpret=None) -> jax.Array:
+    """Pallas grouped SwiGLU: same arguments and result as `grouped_swiglu_reference` (and
+    `qwen35.moe.grouped_swiglu`). x_sorted [M, H], group_sizes [E], gate_up [E, 2I, H], down [E, H, I] -> [M, H].
+
+    tm: rows per tile (a multiple of 8; capped at M rounded up to 8); ti: tile of the expert width I; th: tile of
+    the hidden size H (None = the whole dimension; a tile that does not divide its dimension is lowered to one
+    that does). Weights are cast to x's dtype.
+    """
+    x_sorted, group_sizes, gate_up, down = (jnp.asarray(t) for t in (x_sorted, group_sizes, gate_up, down))
+    E, H, I = _check(x_sorted, group_sizes, gate_up, down)
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be integers, got dtype {group_sizes.dtype}")
+    if tm < 8 or tm % 8:
+        raise ValueError(f"tm must be a positive multiple of 8 (TPU sublanes), got {tm}")
+    M = x_sorted.shape[0]
+    if M == 0:
+        return jnp.zeros_like(x_sorted)
+    tm = min(tm, -(-M // 8) * 8)
+    ti, th = _tiles("ti", I, ti), _tiles("th", H, th)
+    interpret = default_interpret(interpret)
+    dtype = x_sorted.dtype
+    Mp = -(-M // tm) * tm
+    meta = group_metadata(group_sizes, M, tm)
+    x_p = jnp.pad(x_sorted, ((0, Mp - M), (0, 0)))
+    a = gmm_swiglu(x_p, meta, gate_up.astype(dtype), tm=tm, ti=ti, tk=th, interpret=interpret)
+    y = gmm(a, meta, down.astype(dtype), tm=tm, tn=th, tk=ti, interpret=interpret)
+    return y[:M]
+
+
+def gmm_cost(M: int, H: int, I: int, E_used: int, dtype_bytes: int = 2) -> dict:
+    """Napkin math: FLOPs 2·M·3IH; bytes = the used experts' weights (3IH each) + x, the [M, I] activation
+    written and read back, and y."""
+    flops = 2 * M * 3 * I * H
+    w_bytes = E_used * 3 * I * H * dtype_bytes
+    act_bytes = (2 * M * H + 2 * M * I) * dtype_bytes
+    return {"flops": flops, "bytes": w_bytes + act_bytes, "weight_bytes": w_bytes}
+
+
+def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, ti: int | None = 512,
+                          th: int | None = 512, block_rows: int = 8, interpret=None) -> jax.Array:
+    """`qwen35.moe.experts_sorted` on the kernels: sort the N·k slots by expert, permute (row-gather kernel),
+    grouped SwiGLU (the two gmm kernels), weighted unpermute (gather-combine kernel). x [N, H], weights [N, k],
+    experts [N, k] -> [N, H] in x's dtype. The model's MoE uses it when `config.backend == "pallas"`."""
+    from qwen35.kernels.permute import permute, unpermute
+    from qwen35.moe import _check_routed, sort_by_expert
+
+    x, weights, experts = jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts)
+    _check_routed(x, weights, experts, gate_up, down)
+    N, k = experts.shape
+    order, group_sizes = sort_by_expert(experts, gate_up.shape[0])
+    x_sorted = permute(x, order, k, block_rows=block_rows, interpret=interpret)
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, tm=tm, ti=ti, th=th, interpret=interpret)
+    return unpermute(y_sorted, order, weights.astype(x.dtype), block_rows=block_rows, interpret=interpret)

@@ -1,0 +1,259 @@
+"""The GDN Pallas kernels (chunked prefill over packed ragged batches, fused decode) against their references, in
+TPU interpret mode with race detection; their TPU lowering; and `backend="pallas"` against `backend="xla"` for a
+GatedDeltaNet layer and the tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
+from jax.experimental.pallas import tpu as pltpu
+
+from qwen35.config import tiny
+from qwen35.gdn import GatedDeltaNet, recurrent_gated_delta_rule
+from qwen35.kernels.chunked_gdn import chunked_gdn_packed, chunked_gdn_reference
+from qwen35.kernels.fused_gdn_decode import fused_gdn_decode, fused_gdn_decode_reference
+
+RACES = pltpu.InterpretParams(detect_races=True)
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpret_state():
+    """A failed interpreted kernel leaves TPU-interpret state behind; clear it so the next test starts clean."""
+    yield
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def assert_no_races():
+    assert _ipc.races is not None, "no kernel ran with race detection"
+    assert not _ipc.races.races_found, "the race detector reported a data race"
+
+
+def _gdn_inputs(rng, T, Hk, Hv, Dk, Dv, N, dtype=jnp.float32):
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k, v = f(T, Hk, Dk).astype(dtype), f(T, Hk, Dk).astype(dtype), f(T, Hv, Dv).astype(dtype)
+    g = -jnp.asarray(rng.uniform(0.01, 1.5, (T, Hv)), jnp.float32)  # log-decay <= 0
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (T, Hv)), jnp.float32)
+    S0 = f(N, Hv, Dk, Dv)
+    return q, k, v, g, beta, S0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Chunked GDN (prefill)
+CHUNK_CASES = [
+    # lens (packed, ragged), Hk, Hv, Dk, Dv, chunk, initial state, dtype
+    pytest.param([5, 0, 1, 17, 8], 1, 2, 16, 8, 8, True, jnp.float32,
+                 id="ragged-empty-len1-notmultiple-exact-carried-state"),
+    pytest.param([9, 12], 2, 2, 16, 16, 8, False, jnp.bfloat16, id="bf16-zero-state"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lens, Hk, Hv, Dk, Dv, C, with_state, dtype", CHUNK_CASES)
+def test_chunked_gdn_packed_matches_reference(rng, lens, Hk, Hv, Dk, Dv, C, with_state, dtype):
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v, g, beta, S0 = _gdn_inputs(rng, int(cu[-1]), Hk, Hv, Dk, Dv, len(lens), dtype)
+    S0 = S0 if with_state else None
+    o, S = chunked_gdn_packed(q, k, v, g, beta, jnp.asarray(cu), initial_state=S0, use_qk_l2norm=True,
+                              chunk_size=C, interpret=RACES)
+    assert_no_races()
+    ro, rS = chunked_gdn_reference(q, k, v, g, beta, cu, initial_state=S0, use_qk_l2norm=True, chunk_size=C)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    assert o.shape == ro.shape and o.dtype == q.dtype and S.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ro, np.float32), atol=tol, rtol=tol)
+    np.testing.assert_allclose(S, rS, atol=10 * tol, rtol=tol)
+    if with_state and 0 in lens:  # an empty prompt passes its initial state through untouched
+        s = lens.index(0)
+        np.testing.assert_array_equal(S[s], S0[s])
+
+
+@pytest.mark.timeout(120)
+def test_chunked_gdn_equals_the_recurrent_rule_without_l2norm(rng):
+    """Against the token-by-token rule (an independent reference), raw q/k with a custom scale, grouped heads."""
+    Hk, Hv, Dk, Dv = 1, 2, 8, 8  # two prompts of 11 and 6 tokens
+    cu = np.array([0, 11, 17], np.int32)
+    q, k, v, g, beta, S0 = _gdn_inputs(rng, 17, Hk, Hv, Dk, Dv, 2)
+    q, k = 0.3 * q, 0.3 * k  # |A_ij| stays O(1) without the norm
+    o, S = chunked_gdn_packed(q, k, v, g, beta, jnp.asarray(cu), initial_state=S0, scale=0.5, chunk_size=8,
+                              interpret=RACES)
+    assert_no_races()
+    for s in range(2):
+        a, b = cu[s], cu[s + 1]
+        ro, rS = recurrent_gated_delta_rule(jnp.repeat(q[None, a:b], 2, 2), jnp.repeat(k[None, a:b], 2, 2),
+                                            v[None, a:b], g[None, a:b], beta[None, a:b], initial_state=S0[s:s + 1],
+                                            scale=0.5)
+        np.testing.assert_allclose(o[a:b], ro[0], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(S[s], rS[0], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=jnp.zeros((5, 1, 16))), "q and k must have the same shape"),
+    (dict(v=jnp.zeros((5, 3, 8))), "not a multiple of"),
+    (dict(g=jnp.zeros((5,))), r"g must be \[T, Hv\]"),
+    (dict(cu_seqlens=jnp.array([0.0, 5.0])), "cu_seqlens must be integer"),
+    (dict(cu_seqlens=jnp.array([0, 3, 7], jnp.int32)), "end at T=5"),
+    (dict(initial_state=jnp.zeros((2, 2, 16, 8))), "initial_state must be"),
+])
+def test_chunked_gdn_bad_input_is_a_clear_error(change, match):
+    args = dict(q=jnp.zeros((5, 2, 16)), k=jnp.zeros((5, 2, 16)), v=jnp.zeros((5, 2, 8)), g=jnp.zeros((5, 2)),
+                beta=jnp.zeros((5, 2)), cu_seqlens=jnp.array([0, 5], jnp.int32), initial_state=None)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        chunked_gdn_packed(**args)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_chunked_gdn_lowers_for_tpu(dtype):
+    T, Hk, Hv, D, N = 512, 2, 4, 128, 3
+    sds = jax.ShapeDtypeStruct
+    f = lambda q, k, v, g, b, cu, s0: chunked_gdn_packed(q, k, v, g, b, cu, initial_state=s0,  # noqa: E731
+                                                         use_qk_l2norm=True, chunk_size=64, interpret=False)
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+        sds((T, Hk, D), dtype), sds((T, Hk, D), dtype), sds((T, Hv, D), dtype), sds((T, Hv), jnp.float32),
+        sds((T, Hv), jnp.float32), sds((N + 1,), jnp.int32), sds((N, Hv, D, D), jnp.float32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Fused decode
+def _decode_inputs(rng, B, Hk, Hv, Dk, Dv, Kc, state_dtype=jnp.float32, x_dtype=jnp.float32):
+    cd = 2 * Hk * Dk + Hv * Dv
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    return (f(B, cd).astype(x_dtype), f(B, Hv).astype(x_dtype), f(B, Hv).astype(x_dtype),
+            f(B, cd, Kc).astype(x_dtype), f(B, Hv, Dk, Dv).astype(state_dtype), 0.5 * f(cd, Kc),
+            jnp.log(jnp.linspace(0.05, 2.0, Hv)), 0.5 * f(Hv))
+
+
+DECODE_CASES = [
+    pytest.param(3, 2, 4, 16, 24, 4, None, jnp.float32, id="tiny-preset-heads"),
+    pytest.param(16, 1, 2, 8, 16, 3, 8, jnp.bfloat16, id="two-batch-blocks-bf16-state"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("B, Hk, Hv, Dk, Dv, Kc, block_b, state_dtype", DECODE_CASES)
+def test_fused_decode_matches_reference(rng, B, Hk, Hv, Dk, Dv, Kc, block_b, state_dtype):
+    args = _decode_inputs(rng, B, Hk, Hv, Dk, Dv, Kc, state_dtype)
+    kw = dict(num_k_heads=Hk, head_k_dim=Dk, head_v_dim=Dv)
+    o, conv, S = fused_gdn_decode(*args, **kw, block_b=block_b, interpret=RACES)
+    assert_no_races()
+    ro, rconv, rS = fused_gdn_decode_reference(*args, **kw)
+    assert S.dtype == state_dtype and o.shape == (B, Hv, Dv)
+    np.testing.assert_array_equal(conv, rconv)  # the conv state is only shifted
+    np.testing.assert_allclose(o, ro, atol=1e-5, rtol=1e-5)
+    if state_dtype == jnp.bfloat16:  # same fp32 math, one bf16 rounding of the new state: at most 1 ulp apart
+        np.testing.assert_allclose(np.asarray(S, np.float32), np.asarray(rS, np.float32), rtol=2 ** -7, atol=1e-6)
+    else:
+        np.testing.assert_allclose(S, rS, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_state_drift_over_a_long_decode(rng):
+    """1024 decode steps through the kernel with a bf16 state against the fp32 reference. Measured (this seed):
+    the output's error relative to its largest entry settles near 1e-2 (it does not grow: the decay forgets old
+    rounding) with peaks of a few 1e-2; the state's relative Frobenius error stays around 1e-2. The bounds are
+    loose (5×) on purpose: they catch a broken bf16 path (errors of O(1)), not seed noise. The kernel runs in the
+    generic interpreter here (it has no DMAs or semaphores): 1024 TPU-interpreted steps would take minutes."""
+    B, Hk, Hv, Dk, Dv, Kc, N = 2, 1, 2, 16, 16, 4, 1024
+    cd = 2 * Hk * Dk + Hv * Dv
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    X, A, Bg = f(N, B, cd), f(N, B, Hv) + 2.0, f(N, B, Hv)
+    w, A_log, dt_bias = 0.5 * f(cd, Kc), jnp.log(jnp.linspace(0.01, 1.0, Hv)), 0.1 * f(Hv) - 4.0
+    kw = dict(num_k_heads=Hk, head_k_dim=Dk, head_v_dim=Dv)
+
+    def run(state_dtype, step_fn):
+        def step(carry, xs):
+            o, conv, S = step_fn(*xs, *carry, w, A_log, dt_bias, **kw)
+            return (conv, S), o
+        init = (jnp.zeros((B, cd, Kc)), jnp.zeros((B, Hv, Dk, Dv), state_dtype))
+        (_, S), o = jax.lax.scan(step, init, (X, A, Bg))
+        return o, S
+
+    o16, S16 = jax.jit(lambda: run(jnp.bfloat16, lambda *a, **k: fused_gdn_decode(*a, **k, interpret=True)))()
+    o32, S32 = jax.jit(lambda: run(jnp.float32, fused_gdn_decode_reference))()
+    o16, o32 = np.asarray(o16).reshape(N, -1), np.asarray(o32).reshape(N, -1)
+    err = np.abs(o16 - o32).max(1) / np.abs(o32).max(1)
+    S16, S32 = np.asarray(S16, np.float32), np.asarray(S32)
+    state_err = np.linalg.norm(S16 - S32) / np.linalg.norm(S32)
+    assert err[0] < 1e-6  # the first token reads a zero state: no rounding yet
+    assert np.median(err[N // 2:]) < 5e-2 and err.max() < 0.2, (np.median(err[N // 2:]), err.max())
+    assert np.median(err[N // 2:]) < 3 * np.median(err[N // 8:N // 4]) + 1e-3  # no runaway growth
+    assert 1e-4 < state_err < 5e-2, state_err  # a bf16 state is visibly rounded, but only by ~1e-2
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x_qkv=jnp.zeros((3, 10))), "columns but"),
+    (dict(a=jnp.zeros((3, 3))), r"a must be \[B, Hv\]"),
+    (dict(state=jnp.zeros((3, 4, 16, 24), jnp.float16)), "float32 or bfloat16"),
+    (dict(block_b=2), "must divide the batch"),
+])
+def test_fused_decode_bad_input_is_a_clear_error(rng, change, match):
+    names = ["x_qkv", "a", "b", "conv_state", "state", "conv_w", "A_log", "dt_bias"]
+    args = dict(zip(names, _decode_inputs(rng, 3, 2, 4, 16, 24, 4)))
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        fused_gdn_decode(**args, num_k_heads=2, head_k_dim=16, head_v_dim=24)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_decode_lowers_for_tpu(state_dtype):
+    B, Hk, Hv, D, Kc = 64, 16, 64, 128, 4  # the 397B model's GDN heads, a 64-sequence decode batch
+    cd = 2 * Hk * D + Hv * D
+    sds, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    f = lambda *a: fused_gdn_decode(*a, num_k_heads=Hk, head_k_dim=D, head_v_dim=D, interpret=False)  # noqa: E731
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+        sds((B, cd), bf), sds((B, Hv), bf), sds((B, Hv), bf), sds((B, cd, Kc), bf), sds((B, Hv, D, D), state_dtype),
+        sds((cd, Kc), bf), sds((Hv,), jnp.float32), sds((Hv,), jnp.float32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# backend="pallas" in the layer and the model
+@pytest.mark.timeout(240)
+def test_gdn_layer_pallas_equals_xla(rng):
+    """Prefill (T not a multiple of the chunk), two decode tokens through the fused kernel, then a 3-token
+    continuation through the chunked kernel from the cached state (grouped heads Hv = 2·Hk, batch 2)."""
+    cx = tiny()
+    lx = GatedDeltaNet(cx, rngs=nnx.Rngs(0), chunk_size=8)
+    lp = GatedDeltaNet(cx.replace(backend="pallas"), rngs=nnx.Rngs(0), chunk_size=8)
+    call = nnx.jit(lambda layer, x, state: layer(x, state))
+    x = jnp.asarray(rng.standard_normal((2, 16, cx.hidden_size)), jnp.float32)
+    sx = sp = None
+    for a, b in ((0, 11), (11, 12), (12, 13), (13, 16)):
+        yx, sx = call(lx, x[:, a:b], sx)
+        yp, sp = call(lp, x[:, a:b], sp)
+        np.testing.assert_allclose(yp, yx, atol=2e-5, rtol=2e-5, err_msg=f"tokens {a}:{b}")
+        np.testing.assert_allclose(sp.recurrent, sx.recurrent, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(sp.conv, sx.conv, atol=1e-6)
+
+
+# The whole tiny model with backend="pallas" (these GDN kernels and the attention kernel together) against
+# backend="xla", prefill and two decode steps: tests/test_kernels_attention.py::test_model_pallas_backend_matches_xla.
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The benchmark's cases
+@pytest.mark.timeout(120)
+def test_benchmark_cases_split_by_backend_and_a_cpu_case_runs():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "kernels_gdn.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_gdn", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    kinds = {c.kernel for c in mod.CASES}
+    assert kinds == {"chunked_gdn", "fused_gdn_decode", "reduce_scatter"}
+    for c in mod.CASES:  # on this CPU: the realistic sizes say why they skip, the correctness sizes apply
+        ok, why = c.applies("cpu", 8)
+        assert ok == (c.size == "correctness") and (ok or why)
+        assert c.applies("tpu", 8)[0] == (c.size == "realistic")
+    case = next(c for c in mod.CASES if c.kernel == "fused_gdn_decode" and c.size == "correctness")
+    row = case.run(repeats=1)
+    assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
+    assert row["bound"] == "memory" and "interpret" in row["note"] and row["max_rel_err"] < 1e-5

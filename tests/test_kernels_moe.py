@@ -1,0 +1,162 @@
+"""The MoE kernels in TPU interpret mode with race detection: grouped matmul with fused SwiGLU
+(`qwen35.kernels.grouped_matmul`) against its masked reference and the package's XLA path
+(`qwen35.moe.grouped_swiglu`), token permute / unpermute (`qwen35.kernels.permute`) against XLA gather and
+scatter-add, the three chained against the dense one-hot MoE (`qwen35.moe.experts_dense`), and TPU lowering.
+
+Shapes are fixed per test group so that cases with different group sizes (data, not shape) share one compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
+from jax.experimental.pallas import tpu as pltpu
+
+from qwen35.kernels.grouped_matmul import (experts_sorted_pallas, group_metadata, grouped_swiglu,
+                                           grouped_swiglu_reference)
+from qwen35.kernels.permute import permute, permute_reference, unpermute, unpermute_reference
+from qwen35.moe import experts_dense, sort_by_expert
+from qwen35.moe import grouped_swiglu as grouped_swiglu_xla
+
+RACES = pltpu.InterpretParams(detect_races=True)
+M, E, H, I, TM = 21, 5, 16, 8, 8          # 21 rows: not a multiple of the 8-row tile
+
+
+def races_found() -> bool:
+    return _ipc.races is not None and bool(_ipc.races.races_found)
+
+
+@pytest.fixture(autouse=True)
+def _clean_interpreter():
+    pltpu.reset_tpu_interpret_mode_state()
+    yield
+    pltpu.reset_tpu_interpret_mode_state()  # also after an exception inside an interpreted kernel
+
+
+def weights(rng, E, H, I, dtype=np.float32):
+    gate_up = (rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)).astype(dtype)
+    down = (rng.standard_normal((E, H, I)) / np.sqrt(I)).astype(dtype)
+    return gate_up, down
+
+
+GROUPS = {
+    "empty_groups": [3, 0, 9, 9, 0],      # empty groups in the middle and at the end; 9 straddles tiles
+    "one_expert": [0, 0, 21, 0, 0],
+    "singletons": [1, 1, 1, 1, 17],       # five groups inside the first tile
+    "first_only": [21, 0, 0, 0, 0],
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(GROUPS))
+def test_grouped_swiglu_matches_references(name):
+    rng = np.random.default_rng(len(name))
+    gs = np.array(GROUPS[name], np.int32)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    gate_up, down = weights(rng, E, H, I)
+    out = grouped_swiglu(x, gs, gate_up, down, tm=TM, interpret=RACES)
+    assert not races_found(), "the race detector flagged the kernel"
+    assert_close(out, grouped_swiglu_reference(x, gs, gate_up, down), atol=1e-5, name=name)
+    assert_close(out, grouped_swiglu_xla(x, gs, gate_up, down), atol=1e-5, name=f"{name} vs qwen35.moe")
+
+
+def test_group_metadata_visits():
+    """Each (row tile, expert) pair with rows in common is visited once; empty experts never."""
+    gs = jnp.array(GROUPS["empty_groups"], jnp.int32)          # rows [0,3) e0, [3,12) e2, [12,21) e3; tiles of 8
+    offsets, group, tile, nvis = group_metadata(gs, M, TM)
+    n = int(nvis[0])
+    assert list(zip(np.asarray(group)[:n], np.asarray(tile)[:n])) == [(0, 0), (2, 0), (2, 1), (3, 1), (3, 2)]
+    assert group.shape[0] == -(-M // TM) + E - 1                     # the static bound
+    assert list(np.asarray(offsets)) == [0, 3, 3, 12, 21, 21]
+
+
+@pytest.mark.timeout(240)
+def test_grouped_swiglu_tiled_bf16():
+    """More than one tile along I and H (the fp32 accumulator carried over the H loop), bf16 in and out."""
+    rng = np.random.default_rng(3)
+    H2, I2, E2 = 256, 256, 3
+    gs = np.array([13, 0, 7], np.int32)
+    x = rng.standard_normal((20, H2)).astype(jnp.bfloat16)
+    gate_up, down = weights(rng, E2, H2, I2, jnp.bfloat16)
+    out = grouped_swiglu(x, gs, gate_up, down, tm=8, ti=128, th=128, interpret=RACES)
+    assert not races_found(), "the race detector flagged the kernel"
+    assert out.dtype == jnp.bfloat16
+    ref = grouped_swiglu_reference(x.astype(np.float32), gs, gate_up.astype(np.float32), down.astype(np.float32))
+    assert_close(out.astype(np.float32), ref, atol=3e-2, rtol=3e-2, name="bf16 tiled")
+
+
+def test_grouped_swiglu_edge_and_errors():
+    rng = np.random.default_rng(0)
+    gate_up, down = weights(rng, E, H, I)
+    assert grouped_swiglu(np.zeros((0, H), np.float32), np.zeros(E, np.int32), gate_up, down).shape == (0, H)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        grouped_swiglu(x, np.array([M], np.int32), gate_up, down)
+    with pytest.raises(ValueError, match="down must be"):
+        grouped_swiglu(x, np.array(GROUPS["one_expert"], np.int32), gate_up, down[:, :, :2])
+    with pytest.raises(ValueError, match="tm must be"):
+        grouped_swiglu(x, np.array(GROUPS["one_expert"], np.int32), gate_up, down, tm=12)
+
+
+N, K = 7, 3                                # 7 tokens to 3 of 5 experts: M = 21 slots, as above
+
+
+def routing(rng):
+    """k distinct experts per token among the first E - 1: the last expert's group is empty."""
+    experts = np.stack([rng.permutation(E - 1)[:K] for _ in range(N)]).astype(np.int32)
+    w = rng.random((N, K)).astype(np.float32)
+    return w / w.sum(1, keepdims=True), experts
+
+
+@pytest.mark.timeout(240)
+def test_permute_and_unpermute_match_xla():
+    rng = np.random.default_rng(1)
+    _, experts = routing(rng)
+    assert all(len(set(row)) == K for row in experts)
+    w = rng.random((N, K)).astype(np.float32)
+    order, _ = sort_by_expert(jnp.asarray(experts), E)
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    x_sorted = permute(x, order, K, interpret=RACES)
+    assert not races_found(), "the race detector flagged permute"
+    assert_close(x_sorted, permute_reference(x, order, K), atol=0, name="permute")
+    y_sorted = rng.standard_normal((N * K, H)).astype(np.float32)
+    y = unpermute(y_sorted, order, w, interpret=RACES)
+    assert not races_found(), "the race detector flagged unpermute"
+    assert_close(y, unpermute_reference(y_sorted, order, w), atol=1e-6, name="unpermute")
+
+
+@pytest.mark.timeout(240)
+def test_moe_on_kernels_matches_dense():
+    """permute -> grouped SwiGLU -> unpermute equals the dense one-hot MoE (an independent formulation)."""
+    rng = np.random.default_rng(2)
+    w, experts = routing(rng)
+    assert np.bincount(experts.reshape(-1), minlength=E)[E - 1] == 0   # an empty expert group
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    gate_up, down = weights(rng, E, H, I)
+    y = experts_sorted_pallas(x, w, experts, gate_up, down, tm=TM, interpret=RACES)
+    assert not races_found(), "the race detector flagged a MoE kernel"
+    assert_close(y, experts_dense(x, w, experts, gate_up, down), atol=1e-5, name="MoE on kernels")
+
+
+def test_permute_errors():
+    with pytest.raises(ValueError, match="order must be"):
+        permute(np.zeros((4, 8), np.float32), np.arange(7, dtype=np.int32), 2)
+    with pytest.raises(ValueError, match="y_sorted must be"):
+        unpermute(np.zeros((7, 8), np.float32), np.arange(8, dtype=np.int32), np.ones((4, 2), np.float32))
+
+
+def test_moe_kernels_lower_for_tpu():
+    """Mosaic lowering on 397B-like per-chip shapes: H = 4096, I = 1024 (bf16), 128-row tiles."""
+    sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    Hr, Ir, Er, Nr, kr = 4096, 1024, 16, 256, 10
+    cases = [
+        (lambda x, g, gu, d: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, interpret=False),
+         (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), bf), sd((Er, Hr, Ir), bf))),
+        (lambda x, o: permute(x, o, kr, interpret=False), (sd((Nr, Hr), bf), sd((Nr * kr,), i32))),
+        (lambda y, o, w: unpermute(y, o, w, interpret=False),
+         (sd((Nr * kr, Hr), bf), sd((Nr * kr,), i32), sd((Nr, kr), bf))),
+    ]
+    for f, shapes in cases:
+        exported = jax.export.export(jax.jit(f), platforms=["tpu"])(*shapes)
+        assert "tpu_custom_call" in exported.mlir_module()
