@@ -1,0 +1,147 @@
+"""The serving engine: continuous vs static batching, decode step time vs batch size, page size 16 vs 256.
+
+    python benchmarks/serving.py            # tiny preset, a few minutes on a 2-core CPU
+    python benchmarks/serving.py --quick    # fewer requests, about a minute
+
+1. Continuous vs static batching on a mixed-length workload (prompts 8–64 tokens, outputs 4–96), same model, same
+   engine settings, one run: static batching admits the next batch of max_num_seqs requests only when the whole
+   previous batch has finished (the slots of early finishers idle); continuous batching refills a slot as soon as
+   it frees. Reported: output tokens/s of each and their ratio (the issue's target: >= 1.5x).
+2. Decode step time vs batch size (figure figures/serving_decode_step.png): B sequences at a fixed context.
+3. Page size 16 vs 256: the decode step time at the same batch and context.
+
+Prints tables and saves JSON under `qwen35.utils.results_dir()` (serving_<backend>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qwen35 import Qwen35ForCausalLM, get_preset
+from qwen35.bench import machine_info, save_json
+from qwen35.serving import Engine, SamplingParams
+from qwen35.utils import env_summary, figures_dir
+
+
+def mixed_workload(n: int, vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, vocab, size=int(rng.integers(8, 65))).tolist(),
+             SamplingParams(max_tokens=int(rng.integers(4, 97)))) for _ in range(n)]
+
+
+def serve(engine: Engine, reqs, *, static: bool) -> dict:
+    """Run reqs to completion; static: a new batch of max_num_seqs only when the engine is empty."""
+    B = engine.max_num_seqs
+    t0 = time.perf_counter()
+    steps0 = engine.num_steps
+    if static:
+        for i in range(0, len(reqs), B):
+            for p, sp in reqs[i:i + B]:
+                engine.add_request(p, sp)
+            while engine.has_unfinished():
+                engine.step()
+    else:
+        for p, sp in reqs:
+            engine.add_request(p, sp)
+        while engine.has_unfinished():
+            engine.step()
+    dt = time.perf_counter() - t0
+    n_out = sum(sp.max_tokens for _, sp in reqs)
+    n_in = sum(len(p) for p, _ in reqs)
+    return {"seconds": dt, "steps": engine.num_steps - steps0, "output_tokens": n_out,
+            "output_tps": n_out / dt, "total_tps": (n_in + n_out) / dt}
+
+
+def make_engine(model, B, block_size=16, max_model_len=192, budget=256, min_batch_rows=32):
+    return Engine(model, max_num_seqs=B, max_num_batched_tokens=max(budget, B), block_size=block_size,
+                  max_model_len=max_model_len, min_batch_rows=min_batch_rows)
+
+
+def decode_step_ms(model, B: int, context: int, block_size: int, steps: int) -> float:
+    """Median decode step time with B sequences at about `context` tokens (after a warm-up run)."""
+    n_out = steps + -(-B * context // 256) + 1  # the first admitted still decode when the last joins
+    eng = make_engine(model, B, block_size, max_model_len=context + n_out + 8, budget=256, min_batch_rows=1)
+    rng = np.random.default_rng(B)
+    for _ in range(2):  # first pass compiles (prefill and decode programs), second is timed
+        for _ in range(B):
+            eng.add_request(rng.integers(0, model.config.vocab_size, size=context).tolist(),
+                            SamplingParams(max_tokens=n_out))
+        eng.history.clear()
+        while eng.has_unfinished():
+            eng.step()
+    dec = [h["seconds"] for h in eng.history if all(k == "decode" for _, _, k in h["rows"]) and len(h["rows"]) == B]
+    return float(np.median(dec)) * 1e3
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    print(env_summary())
+    model = Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(0))
+    V = model.config.vocab_size
+    n_req, B = (32, 8) if args.quick else (64, 16)
+
+    # 1. continuous vs static batching ------------------------------------------------------------------------
+    reqs = mixed_workload(n_req, V)
+    res = {}
+    for mode in ("static", "continuous"):
+        serve(make_engine(model, B), reqs, static=(mode == "static"))  # untimed: compiles every shape it meets
+    for mode in ("static", "continuous"):
+        res[mode] = serve(make_engine(model, B), reqs, static=(mode == "static"))
+    ratio = res["continuous"]["output_tps"] / res["static"]["output_tps"]
+    print(f"\n1. {n_req} requests (prompts 8-64, outputs 4-96 tokens), max_num_seqs {B}")
+    print(f"{'batching':<12}{'seconds':>9}{'steps':>7}{'out tok/s':>11}")
+    for mode, r in res.items():
+        print(f"{mode:<12}{r['seconds']:>9.2f}{r['steps']:>7}{r['output_tps']:>11,.0f}")
+    print(f"continuous / static: {ratio:.2f}x output tokens/s ({res['static']['steps'] / res['continuous']['steps']:.2f}x "
+          f"fewer steps); target >= 1.5x")
+
+    # 2. decode step time vs batch size ------------------------------------------------------------------------
+    batches = (1, 4, 16) if args.quick else (1, 2, 4, 8, 16, 32, 64)
+    ctx, steps = 64, 12
+    curve = [{"batch": b, "step_ms": decode_step_ms(model, b, ctx, 16, steps)} for b in batches]
+    print(f"\n2. decode step time at context {ctx} (page size 16)")
+    print(f"{'batch':>6}{'step ms':>9}{'tok/s':>9}")
+    for c in curve:
+        c["tokens_per_s"] = c["batch"] / c["step_ms"] * 1e3
+        print(f"{c['batch']:>6}{c['step_ms']:>9.2f}{c['tokens_per_s']:>9,.0f}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.4))
+    bs_ = [c["batch"] for c in curve]
+    ax[0].plot(bs_, [c["step_ms"] for c in curve], "o-")
+    ax[0].set(xscale="log", xlabel="sequences in the step", ylabel="decode step (ms)", title="step time")
+    ax[1].plot(bs_, [c["tokens_per_s"] for c in curve], "o-", color="C1")
+    ax[1].set(xscale="log", yscale="log", xlabel="sequences in the step", ylabel="output tokens/s",
+              title="throughput")
+    fig.suptitle(f"{args.preset} preset, {jax.default_backend()}: decode step vs batch (context {ctx})")
+    fig.tight_layout()
+    fig_path = figures_dir() / "serving_decode_step.png"
+    fig.savefig(fig_path, dpi=120)
+    print(f"figure: {fig_path}")
+
+    # 3. page size 16 vs 256 ------------------------------------------------------------------------------------
+    Bp, ctxp = (8, 96) if args.quick else (16, 160)
+    pages = {ps: decode_step_ms(model, Bp, ctxp, ps, steps) for ps in (16, 256)}
+    print(f"\n3. decode step, batch {Bp}, context {ctxp}: page 16 {pages[16]:.2f} ms, page 256 {pages[256]:.2f} ms "
+          f"(256/16 = {pages[256] / pages[16]:.2f}x; the playbook's Pallas kernel on v7x: 283/428 = 0.66x)")
+
+    out = {"machine": machine_info(), "preset": args.preset, "batching": res, "continuous_over_static": ratio,
+           "decode_curve": curve, "page_size_step_ms": pages}
+    print(f"saved {save_json(out, args.json, f'serving_{jax.default_backend()}.json')}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""The serving engine: requests in, tokens out, with continuous batching over a paged hybrid cache.
+
+    from qwen35.serving import Engine, SamplingParams
+    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=1024, block_size=256, num_blocks=None)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))  # token-id lists or strings
+    for event in engine.stream(prompt, params): ...                                   # incremental tokens
+    rid = engine.add_request(prompt, params); events = engine.step()                  # drive the loop yourself
+
+Each `step()` asks the scheduler for the next batch (`scheduler.py`), packs it into bucketed arrays (`StepBatch`),
+runs the jitted step (`runner.py`) and appends the sampled tokens. A bad request (empty, too long, ids outside
+the vocabulary, max_tokens < 1) raises `ValueError` from `add_request` and never reaches the batch; `generate`
+turns that into an `error` on that request's output while the others run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qwen35.serving.cache import SCRATCH_PAGE, BlockAllocator, SlotAllocator, init_paged_cache
+from qwen35.serving.runner import LayerwiseStep, StepBatch, step_fn
+from qwen35.serving.sampling import SamplingParams
+from qwen35.serving.scheduler import FINISHED, Request, Scheduler
+
+__all__ = ["Engine", "RequestOutput", "StepEvent", "ByteTokenizer"]
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: object
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "error"
+    error: str | None = None
+    text: str | None = None
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class StepEvent:
+    request_id: object
+    token_ids: list[int]  # the new token(s) of this step
+    finished: bool
+    finish_reason: str | None = None
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0..255: lets string prompts reach a model without a real tokenizer (the tiny preset)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def _pow2(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def _pow4(n: int, lo: int) -> int:
+    b = lo
+    while b < n:
+        b *= 4
+    return b
+
+
+class Engine:
+    """Continuous-batching engine over `model` (a `Qwen35ForCausalLM`, sharded or not).
+
+    max_num_seqs: sequences running at once (also the number of GDN state slots, plus one scratch).
+    max_num_batched_tokens: tokens per step (prefill chunks + decode tokens).
+    block_size: tokens per KV page. num_blocks: pages (default: enough for max_num_seqs full-length sequences;
+      plus one scratch page). max_model_len: longest sequence (prompt + output), default
+      min(max_position_embeddings, 4096).
+    enable_chunked_prefill: split long prompts across steps (mixed with decodes) instead of prefilling whole.
+    tokenizer: anything with encode/decode for string prompts (default: `ByteTokenizer` if the vocab has >= 256).
+    fused: one jitted program per step (default off CPU) or one per layer (`LayerwiseStep`, default on CPU).
+    min_batch_rows: the step's rows are max_num_seqs rounded up to a power of two, at least this (so engines of
+      different concurrency share compiled programs; 1 = no floor).
+    """
+
+    def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 256,
+                 num_blocks: int | None = None, *, max_model_len: int | None = None,
+                 enable_chunked_prefill: bool = True, tokenizer=None, cache_dtype=None, record_history: bool = True,
+                 fused: bool | None = None, min_batch_rows: int = 32):
+        c = model.config
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
+                             f"{max_num_batched_tokens}")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}) so every running sequence can decode in one step")
+        self.model, self.config = model, c
+        self.max_num_seqs, self.max_num_batched_tokens, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
+        self.max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
+        if self.max_model_len > c.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds max_position_embeddings "
+                             f"{c.max_position_embeddings}")
+        if num_blocks is None:
+            num_blocks = max_num_seqs * math.ceil(self.max_model_len / block_size) + 1
+        self.num_blocks = num_blocks
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.slots = SlotAllocator(max_num_seqs + 1)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, self.slots,
+                                   enable_chunked_prefill)
+        self.chunked = enable_chunked_prefill
+        self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)
+        self.token_bucket = _pow2(max_num_batched_tokens, 16)
+        self.page_bucket = _pow2(math.ceil(self.max_model_len / block_size), 1)
+        self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
+        self.graphdef, self.params = nnx.split(model)
+        # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
+        self.fused = (jax.default_backend() != "cpu") if fused is None else fused
+        self._layerwise = None if self.fused else LayerwiseStep(model)
+        self.cache = init_paged_cache(c, num_blocks, block_size, max_num_seqs + 1, cache_dtype or model.dtype)
+        self.backend = c.backend
+        self.requests: dict[object, Request] = {}
+        self._ids = itertools.count()
+        self._arrival = itertools.count()
+        self.record_history = record_history
+        self.history: list[dict] = []
+        self.num_steps = 0
+        self.last_logits = None
+        self.keep_logits = False
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompt but the engine has no tokenizer; pass token ids or "
+                                 "Engine(..., tokenizer=...)")
+            enc = self.tokenizer.encode(prompt)
+            return [int(t) for t in getattr(enc, "ids", enc)]  # `tokenizers` returns an Encoding
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+            raise ValueError(f"a prompt must be a string or a flat list of token ids, got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        return [int(t) for t in ids]
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> object:
+        """Queue a request; returns its id. Raises ValueError (naming the problem) for a bad one."""
+        params = (params or SamplingParams()).validate(self.config.vocab_size)
+        ids = self._encode(prompt)
+        V, L = self.config.vocab_size, self.max_model_len
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {V}): {bad[:5]}")
+        if len(ids) >= L:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {L} (it needs room for at "
+                             f"least one output token); shorten it or build the Engine with a larger max_model_len")
+        need = min(len(ids) + params.max_tokens, L)
+        if need > self.blocks.capacity_tokens:
+            raise ValueError(f"prompt + max_tokens = {need} tokens exceed the whole KV cache "
+                             f"({self.blocks.capacity_tokens} tokens); lower max_tokens or raise num_blocks")
+        if not self.chunked and len(ids) > self.max_num_batched_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens} with chunked prefill off; enable it or raise the budget")
+        rid = request_id if request_id is not None else next(self._ids)
+        if rid in self.requests and self.requests[rid].status != FINISHED:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        req = Request(rid, ids, params, next(self._arrival))
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def build_batch(self, sched: list[tuple[Request, int]]) -> StepBatch:
+        """The padded arrays of one scheduled step (what `step` hands the jitted program)."""
+        bs = self.block_size
+        q_lens = [n for _, n in sched]
+        S, T = len(sched), sum(q_lens)
+        # Few shapes, so few compiles: rows Sb = max_num_seqs and pages/row P = max_model_len / block_size (both
+        # rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 4 Sb, 16 Sb, ... (at most
+        # the budget); prefill rows Sp in 4, 16, 64, ... and their block length Lb in 64, 256, 1024, ... (at most
+        # Sb and the budget). Padding costs: every padded token runs through every layer.
+        Sb, P = self.seq_bucket, self.page_bucket
+        pf = [s for s, n in enumerate(q_lens) if n > 1]
+        if pf:
+            Sp = min(_pow4(len(pf), 4), Sb)
+            Lb = min(_pow4(max(q_lens[s] for s in pf), 64), self.token_bucket)
+            Tb = min(_pow4(sum(q_lens), Sb), self.token_bucket)  # Sb, 4 Sb, 16 Sb, ... up to the budget
+        else:
+            Sp, Lb, Tb = 0, 1, Sb
+        tables = [self.blocks.tables[id(r)] for r, _ in sched]
+        tokens = np.zeros(Tb, np.int32)
+        positions = np.zeros(Tb, np.int32)
+        slot_mapping = np.full(Tb, SCRATCH_PAGE * bs, np.int32)
+        cu = np.full(Sb + 1, T, np.int32)
+        cu[0] = 0
+        kv_lens = np.zeros(Sb, np.int32)
+        pages = np.full((Sb, P), SCRATCH_PAGE, np.int32)
+        slots = np.full(Sb, self.slots.scratch, np.int32)
+        fresh = np.zeros(Sb, bool)
+        gather_idx = np.zeros((Sp, Lb), np.int32)
+        gather_valid = np.zeros((Sp, Lb), bool)
+        pf_rows = np.full(Sp, Sb, np.int32)
+        tok_row = np.zeros(Tb, np.int32)
+        tok_pf = np.zeros(Tb, bool)
+        tok_prow = np.zeros(Tb, np.int32)
+        tok_col = np.zeros(Tb, np.int32)
+        prow = {s: j for j, s in enumerate(pf)}
+        last_idx = np.zeros(Sb, np.int32)
+        temp = np.zeros(Sb, np.float32)
+        top_k = np.zeros(Sb, np.int32)
+        top_p = np.ones(Sb, np.float32)
+        seeds = np.zeros(Sb, np.uint32)
+        counters = np.zeros(Sb, np.int32)
+        off = 0
+        for s, ((req, n), table) in enumerate(zip(sched, tables)):
+            start = req.num_computed
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[off:off + n] = req.tokens(start, start + n)
+            positions[off:off + n] = pos
+            tab = np.asarray(table, np.int32)
+            slot_mapping[off:off + n] = tab[pos // bs] * bs + pos % bs
+            cu[s + 1] = off + n
+            kv_lens[s] = start + n
+            pages[s, :len(table)] = tab
+            slots[s] = self.slots.owner[id(req)]
+            fresh[s] = start == 0
+            if s in prow:
+                j = prow[s]
+                gather_idx[j, :n] = np.arange(off, off + n)
+                gather_valid[j, :n] = True
+                pf_rows[j] = s
+                tok_pf[off:off + n] = True
+                tok_prow[off:off + n] = j
+            tok_row[off:off + n] = s
+            tok_col[off:off + n] = np.arange(n)
+            last_idx[s] = off + n - 1
+            p = req.params
+            temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
+            seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
+            off += n
+        return StepBatch(tokens, positions, slot_mapping, cu, kv_lens, pages, np.array([S], np.int32), slots, fresh,
+                         gather_idx, gather_valid, pf_rows, tok_row, tok_pf, tok_prow, tok_col, last_idx, temp,
+                         top_k, top_p, seeds, counters)
+
+    def step(self) -> list[StepEvent]:
+        """Run one scheduler step; returns an event for every request that got a token (or finished)."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched:
+            if self.has_unfinished():  # cannot happen while admission checks hold; never spin silently
+                raise RuntimeError("the scheduler could not run any request: a queued request does not fit the cache")
+            return []
+        batch = self.build_batch(sched)
+        if self.fused:
+            toks, logits, self.cache = step_fn(self.graphdef, self.params, self.cache, batch, backend=self.backend,
+                                               return_logits=self.keep_logits)
+        else:
+            toks, logits, self.cache = self._layerwise(self.cache, batch, backend=self.backend,
+                                                       return_logits=self.keep_logits)
+        toks = np.asarray(toks)
+        if self.keep_logits:
+            self.last_logits = {r.request_id: np.asarray(logits[s]) for s, (r, _) in enumerate(sched)
+                                if r.num_computed + sched[s][1] == r.num_tokens}
+        events = []
+        for s, (req, n) in enumerate(sched):
+            req.num_computed += n
+            if req.num_computed < req.num_tokens:  # a prefill chunk that did not reach the end: nothing sampled
+                continue
+            tok = int(toks[s])
+            req.output.append(tok)
+            reason = None
+            if tok in req.params.stop_token_ids:
+                reason = "stop"
+            elif len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                self.scheduler.finish(req, reason)
+            events.append(StepEvent(req.request_id, [tok], reason is not None, reason))
+        self.num_steps += 1
+        if self.record_history:
+            self.history.append({
+                "step": self.num_steps, "seconds": time.perf_counter() - t0,
+                "rows": [(r.request_id, n, "decode" if n == 1 and r.num_computed > len(r.prompt) else "prefill")
+                         for r, n in sched],
+                "tokens": sum(n for _, n in sched), "padded_tokens": int(batch.tokens.shape[0]),
+                "free_pages": self.blocks.num_free, "preemptions": self.scheduler.num_preemptions})
+        return events
+
+    # -- convenience loops -----------------------------------------------------------------------------------
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None and not isinstance(self.tokenizer, ByteTokenizer):
+            text = self.tokenizer.decode(req.output)
+        return RequestOutput(req.request_id, list(req.prompt), list(req.output), req.finish_reason, text=text,
+                             num_preemptions=req.num_preemptions)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run `prompts` (strings or token-id lists) to completion; outputs in the prompts' order. A bad prompt gets
+        finish_reason "error" and the message in `error`; the rest run normally."""
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        slots: list[object] = []
+        for prompt, p in zip(prompts, plist):
+            try:
+                slots.append(("ok", self.add_request(prompt, p)))
+            except ValueError as e:
+                slots.append(("error", str(e)))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            total = sum(self.requests[r].params.max_tokens for k, r in slots if k == "ok")
+            bar = tqdm(total=total, desc="generate", unit="tok")
+        while self.has_unfinished():
+            events = self.step()
+            if bar is not None:
+                bar.update(sum(len(e.token_ids) for e in events))
+        if bar is not None:
+            bar.close()
+        outs = []
+        for kind, v in slots:
+            if kind == "error":
+                outs.append(RequestOutput(None, [], [], "error", error=v))
+            else:
+                outs.append(self._output(self.requests.pop(v)))
+        return outs
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepEvent]:
+        """Yield this request's tokens as they come (other queued requests advance alongside)."""
+        rid = self.add_request(prompt, params)
+        while True:
+            for e in self.step():
+                if e.request_id == rid:
+                    yield e
+                    if e.finished:
+                        self.requests.pop(rid, None)
+                        return
+            if not self.has_unfinished():
+                return

@@ -1,0 +1,243 @@
+"""The jitted serving step: one forward over the packed tokens of a scheduler step, reading and writing the paged
+hybrid cache, then one sampled token per sequence.
+
+A step packs the tokens of every scheduled sequence back to back — prefill chunks and single decode tokens
+together — into `tokens [Tb]`. It is built from the model's own modules and the package's pure functions:
+
+  embed → per layer: input_layernorm → mixer → residual → post_attention_layernorm → SparseMoeBlock → residual
+  attention mixer:  q_proj / k_proj / v_proj, q_norm / k_norm, `apply_rope` at each token's own position, K/V
+                    scattered into the pages at `slot_mapping`, then ragged paged attention over the block tables
+                    (`qwen35.kernels`: the Pallas kernel when `config.backend == "pallas"`, else the reference),
+                    output gate, o_proj
+  GDN mixer:        in_proj_*, then for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
+                    token (exact for rows with one token: decodes), and for the rows with several tokens (prefill
+                    chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`), `causal_conv1d` +
+                    `chunk_gated_delta_rule` from the row's slot state (padded steps have g = 0 and beta = 0:
+                    decay 1 and no write, so the state is untouched), the conv state taken from the last Kc real
+                    inputs; their results replace the single-token ones. Outputs back in packed order, gated norm,
+                    out_proj. A sequence's first step (`fresh`) starts from zero state, so recycled slots need no
+                    clearing.
+  head:             final norm and lm_head on each sequence's last token only, then `sample`.
+
+Shapes are bucketed (Tb, Sb, Lb and the page-table width P are powers of two), so a run compiles a handful of
+programs; padding tokens write to the scratch page and padding rows to the scratch slot (see `cache.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35.attention import KVCache, apply_rope, rope_cos_sin, rope_inv_freq
+from qwen35.config import LINEAR
+from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
+                        gated_delta_rule_step)
+from qwen35.serving.cache import PagedHybridCache
+from qwen35.serving.sampling import sample
+
+__all__ = ["StepBatch", "attention_backend", "serving_forward", "step_fn", "LayerwiseStep"]
+
+
+class StepBatch(NamedTuple):
+    """Everything the jitted step needs besides parameters and cache (all int32 unless noted).
+
+    Tb packed tokens, Sb sequence rows, Sp prefill rows (0 in a decode-only step), Lb their longest query, P pages
+    per row.
+    """
+
+    tokens: jax.Array        # [Tb] token ids, packed (sequence s owns tokens[cu_q_lens[s]:cu_q_lens[s+1]])
+    positions: jax.Array     # [Tb] position of each token in its sequence
+    slot_mapping: jax.Array  # [Tb] flat K/V index page·page_size + offset where the token's K/V is written
+    cu_q_lens: jax.Array     # [Sb + 1]
+    kv_lens: jax.Array       # [Sb] tokens in the cache after this step
+    page_indices: jax.Array  # [Sb, P] block tables
+    num_seqs: jax.Array      # [1]
+    slots: jax.Array         # [Sb] GDN state slot of each row
+    fresh: jax.Array         # [Sb] bool: the row starts its sequence (zero GDN state)
+    gather_idx: jax.Array    # [Sp, Lb] packed index of the j-th token of the p-th prefill row (rows with > 1 token)
+    gather_valid: jax.Array  # [Sp, Lb] bool
+    pf_rows: jax.Array       # [Sp] row of each prefill entry (Sb for padding: its writes are dropped)
+    tok_row: jax.Array       # [Tb] row of each packed token
+    tok_pf: jax.Array        # [Tb] bool: the token belongs to a prefill row
+    tok_prow: jax.Array      # [Tb] its prefill entry p
+    tok_col: jax.Array       # [Tb] its index within the row's tokens of this step
+    last_idx: jax.Array      # [Sb] packed index of each row's last token (its logits are sampled)
+    temperature: jax.Array   # [Sb] float32
+    top_k: jax.Array         # [Sb]
+    top_p: jax.Array         # [Sb] float32
+    seeds: jax.Array         # [Sb] uint32
+    counters: jax.Array      # [Sb] tokens generated so far (folds into the row's key)
+
+
+def attention_backend(backend: str):
+    """The ragged paged attention for `backend`: the Pallas kernel for "pallas" (when present), else the reference."""
+    from qwen35.kernels import ragged_paged_attention as rpa
+
+    if backend == "pallas" and hasattr(rpa, "ragged_paged_attention"):
+        return rpa.ragged_paged_attention
+    return rpa.ragged_paged_attention_reference
+
+
+def _attention(attn, x, b: StepBatch, kv: KVCache, rpa):
+    T = x.shape[0]
+    Hq, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    qg = attn.q_proj(x).reshape(T, Hq, 2 * Dh)  # per head: [q_h | gate_h]
+    q, gate = qg[..., :Dh], qg[..., Dh:].reshape(T, Hq * Dh)
+    q = attn.q_norm(q)
+    k = attn.k_norm(attn.k_proj(x).reshape(T, Hkv, Dh))
+    v = attn.v_proj(x).reshape(T, Hkv, Dh)
+    inv_freq, scaling = rope_inv_freq(attn.config)
+    cos, sin = rope_cos_sin(b.positions, inv_freq, scaling)  # [Tb, rd/2]: every token at its own position
+    q = apply_rope(q[None], cos, sin, attn.rotary_dim)[0]
+    k = apply_rope(k[None], cos, sin, attn.rotary_dim)[0]
+    NP, PS = kv.k.shape[:2]
+    kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
+    vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
+    o = rpa(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)  # [Tb, Hq, Dh]
+    o = (o.reshape(T, Hq * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+    return attn.o_proj(o), KVCache(kp, vp)
+
+
+def _gdn(gdn, x, b: StepBatch, st: GDNState):
+    T = x.shape[0]
+    Sb = b.slots.shape[0]
+    Sp, Lb = b.gather_idx.shape
+    Hk, Hv, Dk, Dv = gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim
+    rep = Hv // Hk
+    mixed = gdn.in_proj_qkv(x)  # [Tb, conv_dim]
+    z = gdn.in_proj_z(x).reshape(T, Hv, Dv)
+    beta = jax.nn.sigmoid(gdn.in_proj_b(x).astype(jnp.float32))  # [Tb, Hv]
+    g = -jnp.exp(gdn.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+        gdn.in_proj_a(x).astype(jnp.float32) + gdn.dt_bias[...].astype(jnp.float32))
+    w = gdn.conv1d.weight[...]
+    Kc = w.shape[-1]
+    fresh = b.fresh
+    conv0 = jnp.where(fresh[:, None, None], 0, st.conv[b.slots]).astype(x.dtype)  # [Sb, C, Kc]
+    rec0 = jnp.where(fresh[:, None, None, None], 0.0, st.recurrent[b.slots])  # [Sb, Hv, Dk, Dv]
+
+    def split_heads(y, lead):
+        q, k, v = jnp.split(y, [gdn.key_dim, 2 * gdn.key_dim], axis=-1)
+        q, k = q.reshape(*lead, Hk, Dk), k.reshape(*lead, Hk, Dk)
+        if rep > 1:  # value head j reads key head j // rep
+            q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
+        return q, k, v.reshape(*lead, Hv, Dv)
+
+    # Every row: the single-token rule on its last token (exact for the rows with one token this step; the
+    # prefill rows' results are replaced below).
+    idx = b.last_idx
+    y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
+    q, k, v = split_heads(y, (Sb,))
+    o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0, use_qk_l2norm=True)
+    o = o_dec[b.tok_row]  # [Tb, Hv, Dv]
+    if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
+        r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
+        c0, s0 = conv0[r], rec0[r]
+        valid = b.gather_valid
+        xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
+        yb, _ = causal_conv1d(xb, w, c0)
+        hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
+        take = jnp.sum(valid, axis=1)[:, None] + jnp.arange(Kc)[None, :]  # the last Kc real inputs
+        conv_pf = jnp.swapaxes(jnp.take_along_axis(hist, take[..., None], axis=1), 1, 2)
+        gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
+        betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
+        qb, kb, vb = split_heads(yb, (Sp, Lb))
+        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_size, initial_state=s0,
+                                              use_qk_l2norm=True)
+        conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
+        rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
+        o = jnp.where(b.tok_pf[:, None, None], o_pf[b.tok_prow, b.tok_col], o)
+    o = gdn.norm(o, z).reshape(T, gdn.value_dim)
+    new = GDNState(conv=st.conv.at[b.slots].set(conv_new.astype(st.conv.dtype)),
+                   recurrent=st.recurrent.at[b.slots].set(rec_new.astype(st.recurrent.dtype)))
+    return gdn.out_proj(o), new
+
+
+def _layer(layer, h, st, b: StepBatch, rpa):
+    """One decoder layer on the packed tokens h [Tb, H]: mixer (reading/writing its cache) and MoE, residuals."""
+    xn = layer.input_layernorm(h)
+    if layer.layer_type == LINEAR:
+        y, st = _gdn(layer.linear_attn, xn, b, st)
+    else:
+        y, st = _attention(layer.self_attn, xn, b, st, rpa)
+    h = h + y
+    m, _ = layer.mlp(layer.post_attention_layernorm(h)[None])
+    return h + m[0], st
+
+
+def _head(model, h, b: StepBatch):
+    x = model.model.norm(h[b.last_idx])  # [Sb, H]: only each row's last token
+    if model.lm_head is not None:
+        logits = model.lm_head(x)
+    else:
+        logits = jnp.einsum("sd,vd->sv", x, model.model.embed_tokens.weight[...].astype(x.dtype))
+    return logits.astype(jnp.float32)
+
+
+def _sample(logits, b: StepBatch):
+    return jax.lax.cond(
+        jnp.any(b.temperature > 0),
+        lambda: sample(logits, b.temperature, b.top_k, b.top_p, b.seeds, b.counters),
+        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def serving_forward(model, cache: PagedHybridCache, b: StepBatch, rpa):
+    """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code)."""
+    h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
+    new_layers = []
+    for layer, st in zip(model.model.layers, cache.layers):
+        h, st = _layer(layer, h, st, b, rpa)
+        new_layers.append(st)
+    return _head(model, h, b), PagedHybridCache(tuple(new_layers))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend", "return_logits"), donate_argnames=("cache",))
+def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", return_logits: bool = False):
+    """The fused step, one program: (next tokens [Sb] int32, logits [Sb, V] or None, new cache). The cache is
+    donated (updated in place)."""
+    model = nnx.merge(graphdef, params)
+    logits, cache = serving_forward(model, cache, batch, attention_backend(backend))
+    return _sample(logits, batch), (logits if return_logits else None), cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "dtype"))
+def _embed_jit(graphdef, params, tokens, *, dtype):
+    return nnx.merge(graphdef, params)(tokens, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("st",))
+def _layer_jit(graphdef, params, h, st, b, *, backend):
+    return _layer(nnx.merge(graphdef, params), h, st, b, attention_backend(backend))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_logits"))
+def _head_jit(graphdef, params, h, b, *, return_logits):
+    logits = _head(nnx.merge(graphdef, params), h, b)
+    return _sample(logits, b), (logits if return_logits else None)
+
+
+class LayerwiseStep:
+    """The same step as `step_fn`, run as one jitted program per layer instead of one for the whole model.
+
+    Layers of one kind share a graph definition and shapes, so the 6 GDN layers of the tiny model compile once,
+    the 2 attention layers once: compile time drops by about the number of layers per kind, for one dispatch per
+    layer at run time. The engine uses it on CPU, where compiling dominates short runs; `step_fn` elsewhere.
+    """
+
+    def __init__(self, model):
+        self.dtype = model.dtype
+        self.embed = nnx.split(model.model.embed_tokens)
+        self.layers = [nnx.split(layer) for layer in model.model.layers]
+        self.head = nnx.split(model)  # uses the final norm and lm_head (the rest are unused inputs)
+
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
+        h = _embed_jit(*self.embed, batch.tokens, dtype=self.dtype)
+        new = []
+        for (gd, params), st in zip(self.layers, cache.layers):
+            h, st = _layer_jit(gd, params, h, st, batch, backend=backend)
+            new.append(st)
+        toks, logits = _head_jit(*self.head, h, batch, return_logits=return_logits)
+        return toks, logits, PagedHybridCache(tuple(new))

@@ -1,0 +1,125 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Each step has a budget of `max_num_batched_tokens` tokens and at most `max_num_seqs` running sequences.
+  1. Running requests first, oldest first: a decoding request takes 1 token, a request still in prefill takes the
+     rest of its prompt, cut to the budget left (chunked prefill). Each needs pages for its new tokens; when the
+     free list is empty the newest running request is preempted — its pages and slot freed, its progress dropped,
+     and it goes back to the front of the queue to be recomputed (prompt + tokens generated so far) later. If the
+     request that needs the page is itself the newest, it preempts itself and the step stops there.
+  2. Then, if nothing was preempted, waiting requests in arrival order (first come, first served) while budget,
+     sequence slots and pages last.
+Prefill chunks and decode tokens thus share a step. With `enable_chunked_prefill=False` a prompt is admitted only
+when it fits the budget whole (a recomputation after preemption may still be chunked).
+
+Since the oldest running request is never the victim while an older one exists, and a single request is checked at
+admission to fit the whole cache, the engine always makes progress: it never fails for lack of cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import deque
+
+from qwen35.serving.cache import BlockAllocator, SlotAllocator
+from qwen35.serving.sampling import SamplingParams
+
+__all__ = ["Request", "Scheduler", "WAITING", "RUNNING", "FINISHED"]
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: object
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V and state are in the cache
+    status: str = WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        P = len(self.prompt)
+        if stop <= P:
+            return self.prompt[start:stop]
+        return (self.prompt + self.output)[start:stop]
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockAllocator,
+                 slots: SlotAllocator, enable_chunked_prefill: bool = True):
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.blocks, self.slots, self.chunked = blocks, slots, enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(id(req))
+        self.slots.free(id(req))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed, req.status = 0, WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The next step: [(request, number of its tokens to run)], rows in this order."""
+        budget = self.max_num_batched_tokens
+        out: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            while not self.blocks.can_allocate(id(req), req.num_computed + n):
+                victim = max(self.running, key=lambda r: r.arrival)  # the newest
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RUNNING:
+                break
+            self.blocks.allocate(id(req), req.num_computed + n)
+            out.append((req, n))
+            budget -= n
+            i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed
+            if n > budget:
+                if not self.chunked and req.num_preemptions == 0:
+                    break
+                n = budget
+            if not self.blocks.can_allocate(id(req), n) or self.slots.num_free == 0:
+                break
+            self.waiting.popleft()
+            self.slots.allocate(id(req))
+            self.blocks.allocate(id(req), n)
+            req.status = RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival)  # running stays in arrival order
+            out.append((req, n))
+            budget -= n
+        return out
