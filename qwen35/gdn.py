@@ -395,14 +395,8 @@ class GatedDeltaNet(nnx.Module):
         else:
             mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
 
-        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
-        )
+        q, k, v = self._split_heads(mixed)
+        g, beta = self._gates(a, b)
         rep = self.num_v_heads // self.num_k_heads  # value head j reads key head j // rep
         if rep > 1:
             q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
@@ -416,6 +410,20 @@ class GatedDeltaNet(nnx.Module):
                                             use_qk_l2norm=True)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
+
+    def _split_heads(self, mixed):
+        """[B, T, conv_dim] after the conv -> q, k [B, T, Hk, Dk], v [B, T, Hv, Dv]."""
+        B, T, _ = mixed.shape
+        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
+        return (q.reshape(B, T, self.num_k_heads, self.head_k_dim), k.reshape(B, T, self.num_k_heads, self.head_k_dim),
+                v.reshape(B, T, self.num_v_heads, self.head_v_dim))
+
+    def _gates(self, a, b):
+        """fp32 log-decay g = -exp(A_log)·softplus(a + dt_bias) and write strength beta = sigmoid(b), [B, T, Hv]."""
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        return g, beta
 
     def _pallas_mixer(self, mixed, a, b, w, state):
         """backend="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
@@ -431,13 +439,8 @@ class GatedDeltaNet(nnx.Module):
                 num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
             return o[:, None], conv_state, rec
         mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
-        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        beta = jax.nn.sigmoid(b.astype(jnp.float32))
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        q, k, v = self._split_heads(mixed)
+        g, beta = self._gates(a, b)
         o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=self.chunk_size,
                                                initial_state=None if state is None else state.recurrent,
                                                use_qk_l2norm=True)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
+from pallas_helpers import RACES, clean_interpreter, races_found  # noqa: F401 (autouse fixture)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -21,19 +21,6 @@ from qwen35.config import FULL, LINEAR
 from qwen35.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from qwen35.model import Qwen35ForCausalLM
 
-RACES = pltpu.InterpretParams(detect_races=True)
-
-
-def races_found() -> bool:
-    """The interpreter's race flag (a race is printed, not raised, so tests must look here)."""
-    return _ipc.races is not None and bool(_ipc.races.races_found)
-
-
-@pytest.fixture(autouse=True)
-def _clean_interpreter():
-    pltpu.reset_tpu_interpret_mode_state()
-    yield
-    pltpu.reset_tpu_interpret_mode_state()  # also after an exception inside an interpreted kernel
 
 
 def _racy_kernel(x_hbm, o_ref, buf, sem):

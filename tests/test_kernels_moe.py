@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
-from jax.experimental.pallas import tpu as pltpu
+from pallas_helpers import RACES, clean_interpreter, races_found  # noqa: F401 (autouse fixture)
 
 from qwen35.kernels.grouped_matmul import (experts_sorted_pallas, group_metadata, grouped_swiglu,
                                            grouped_swiglu_reference)
@@ -19,19 +18,7 @@ from qwen35.kernels.permute import permute, permute_reference, unpermute, unperm
 from qwen35.moe import experts_dense, sort_by_expert
 from qwen35.moe import grouped_swiglu as grouped_swiglu_xla
 
-RACES = pltpu.InterpretParams(detect_races=True)
 M, E, H, I, TM = 21, 5, 16, 8, 8          # 21 rows: not a multiple of the 8-row tile
-
-
-def races_found() -> bool:
-    return _ipc.races is not None and bool(_ipc.races.races_found)
-
-
-@pytest.fixture(autouse=True)
-def _clean_interpreter():
-    pltpu.reset_tpu_interpret_mode_state()
-    yield
-    pltpu.reset_tpu_interpret_mode_state()  # also after an exception inside an interpreted kernel
 
 
 def weights(rng, E, H, I, dtype=np.float32):
