@@ -39,34 +39,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.bench import log, machine_info, matmul_peak, memory_bandwidth, save_json, timeit
+from qwen35.bench import log, machine_info, save_json, timeit
+from qwen35.roofline import device_roofline
 from qwen35.kernels.grouped_matmul import gmm_cost, grouped_swiglu, grouped_swiglu_reference
 from qwen35.kernels.permute import permute, permute_reference, unpermute, unpermute_reference
 from qwen35.kernels.ragged_paged_attention import (ragged_paged_attention, ragged_paged_attention_reference,
                                                    rpa_cost)
 
-__all__ = ["Case", "CASES", "all_cases", "device_roofline", "run_cases", "main"]
-
-DEVICE_KINDS = {"TPU7x": "tpu-v7x", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e", "TPU v5 lite": "tpu-v5e",
-                "TPU v5e": "tpu-v5e", "TPU v5p": "tpu-v5p", "TPU v5": "tpu-v5p", "H100": "h100", "H200": "h200"}
-_measured: dict[str, tuple[float, float]] = {}
+__all__ = ["Case", "CASES", "all_cases", "run_cases", "main"]
 
 
-def device_roofline() -> tuple[float, float, str]:
-    """(peak bf16 FLOP/s, HBM bytes/s, source) for device 0: spec sheet for known chips, else measured here."""
-    kind = jax.devices()[0].device_kind
-    try:
-        from qwen35.roofline import HARDWARE
-    except ImportError:
-        HARDWARE = {}
-    for name, hw in sorted(DEVICE_KINDS.items(), key=lambda kv: -len(kv[0])):
-        if name.lower() in kind.lower() and hw in HARDWARE:
-            h = HARDWARE[hw]
-            n = h.devices_per_chip
-            return h.peak("bf16") / n, h.hbm_bandwidth / n, f"spec sheet ({h.name}, qwen35.roofline)"
-    if kind not in _measured:
-        _measured[kind] = (matmul_peak(1024, repeats=3), memory_bandwidth(64 * 2**20, repeats=3))
-    return *_measured[kind], "measured here (fp32 matmul, read bandwidth)"
+
 
 
 @dataclasses.dataclass(frozen=True)

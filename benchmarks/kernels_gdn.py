@@ -36,30 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.bench import log, machine_info, matmul_peak, memory_bandwidth, save_json, timeit
+from qwen35.bench import log, machine_info, save_json, timeit
+from qwen35.roofline import device_roofline
 from qwen35.gdn import chunk_gated_delta_rule, gdn_flops
 
-__all__ = ["Case", "CASES", "device_roofline", "run_cases", "main"]
-
-# JAX device kinds -> `qwen35.roofline.HARDWARE` entries (spec-sheet peaks; per chip, split over its devices).
-DEVICE_KINDS = {"TPU7x": "tpu-v7x", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e", "TPU v5 lite": "tpu-v5e",
-                "TPU v5e": "tpu-v5e", "TPU v5p": "tpu-v5p", "TPU v5": "tpu-v5p", "H100": "h100", "H200": "h200"}
-_measured: dict[str, tuple[float, float]] = {}
+__all__ = ["Case", "CASES", "run_cases", "main"]
 
 
-def device_roofline() -> tuple[float, float, str]:
-    """(peak bf16 FLOP/s, HBM bytes/s, where the figures come from) for one JAX device (device 0)."""
-    from qwen35.roofline import HARDWARE
 
-    kind = jax.devices()[0].device_kind
-    for name, hw in sorted(DEVICE_KINDS.items(), key=lambda kv: -len(kv[0])):
-        if name.lower() in kind.lower():
-            h = HARDWARE[hw]
-            n = h.devices_per_chip
-            return h.peak("bf16") / n, h.hbm_bandwidth / n, f"spec sheet ({h.name}, qwen35.roofline)"
-    if kind not in _measured:
-        _measured[kind] = (matmul_peak(1024, repeats=3), memory_bandwidth(64 * 2**20, repeats=3))
-    return *_measured[kind], "measured here (fp32 matmul, read bandwidth)"
 
 
 @dataclasses.dataclass(frozen=True)

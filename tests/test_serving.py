@@ -224,8 +224,7 @@ def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference):
     engine, the same tokens. The cache is not sharded (DP attention would run one engine per data-parallel rank)."""
     from qwen35 import sharding
 
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (tests/conftest.py sets 8 fake CPU devices)")
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices before jax starts"
     smodel = sharding.shard_model(model, sharding.make_mesh(expert=8))
     engine = make_engine(smodel, 4, 16)
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=m) for m in max_tokens[:4]])
