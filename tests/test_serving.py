@@ -230,3 +230,36 @@ def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference):
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=m) for m in max_tokens[:4]])
     assert [o.token_ids for o in outs] == [r[:m] for r, m in zip(reference[:4], max_tokens[:4])]
     assert_all_free(engine)
+
+
+def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
+    """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows
+    again as a causal [Sp, Lb] block) equals `ragged_paged_attention_reference` (every token against its
+    sequence's pages) on the real tokens of every batch shape a mixed run produces: decode-only steps, prefill
+    chunks, both together."""
+    from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_reference
+    from qwen35.serving.runner import _paged_attention_rows
+
+    engine = make_engine(model, 7, 16)
+    seen = {}
+    run = engine._run
+
+    def record(cache, batch, **kw):
+        key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]))
+        seen.setdefault(key, batch)
+        return run(cache, batch, **kw)
+
+    engine._run = record
+    engine.generate(prompts[:12], [SamplingParams(max_tokens=m) for m in max_tokens[:12]])
+    assert any(k[1][0] == 0 for k in seen) and any(k[1][0] > 0 and k[0][0] > k[1][0] for k in seen)
+    rng = np.random.default_rng(0)
+    kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
+    Hq = model.config.num_attention_heads
+    for (_, _, S), b in seen.items():
+        q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
+        k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
+        T = int(b.cu_q_lens[S])
+        with jax.default_matmul_precision("highest"):
+            ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
+            got = _paged_attention_rows(q, k, v, b)
+        np.testing.assert_allclose(np.asarray(got)[:T], np.asarray(ref)[:T], atol=1e-5, rtol=1e-5)

@@ -22,10 +22,9 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from qwen35.serving.cache import SCRATCH_PAGE, BlockAllocator, SlotAllocator, init_paged_cache
-from qwen35.serving.runner import LayerwiseStep, StepBatch, step_fn
+from qwen35.serving.runner import FusedStep, LayerwiseStep, StepBatch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
 
@@ -116,10 +115,9 @@ class Engine:
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _pow2(math.ceil(self.max_model_len / block_size), 1)
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
-        self.graphdef, self.params = nnx.split(model)
         # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
         self.fused = (jax.default_backend() != "cpu") if fused is None else fused
-        self._layerwise = None if self.fused else LayerwiseStep(model)
+        self._run = FusedStep(model) if self.fused else LayerwiseStep(model)
         self.cache = init_paged_cache(c, num_blocks, block_size, max_num_seqs + 1, cache_dtype or model.dtype)
         self.backend = c.backend
         self.requests: dict[object, Request] = {}
@@ -183,68 +181,79 @@ class Engine:
         q_lens = [n for _, n in sched]
         S, T = len(sched), sum(q_lens)
         # Few shapes, so few compiles: rows Sb = max_num_seqs and pages/row P = max_model_len / block_size (both
-        # rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 4 Sb, 16 Sb, ... (at most
-        # the budget); prefill rows Sp in 4, 16, 64, ... and their block length Lb in 64, 256, 1024, ... (at most
-        # Sb and the budget). Padding costs: every padded token runs through every layer.
+        # rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most
+        # the budget); prefill rows Sp in 1, 4, 16, ... and their block length Lb in 64, 256, 1024, ... (at most
+        # Sb and the budget). Padding costs: every padded token runs through every layer, so a step that adds
+        # one short prompt to the decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1.
         Sb, P = self.seq_bucket, self.page_bucket
         pf = [s for s, n in enumerate(q_lens) if n > 1]
         if pf:
-            Sp = min(_pow4(len(pf), 4), Sb)
+            Sp = min(_pow4(len(pf), 1), Sb)
             Lb = min(_pow4(max(q_lens[s] for s in pf), 64), self.token_bucket)
-            Tb = min(_pow4(sum(q_lens), Sb), self.token_bucket)  # Sb, 4 Sb, 16 Sb, ... up to the budget
+            Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
         else:
             Sp, Lb, Tb = 0, 1, Sb
-        tables = [self.blocks.tables[id(r)] for r, _ in sched]
+        # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
+        # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
+        ns = np.asarray(q_lens, np.int64)
+        starts = np.fromiter((r.num_computed for r, _ in sched), np.int64, S)
+        offs = np.zeros(S + 1, np.int64)
+        np.cumsum(ns, out=offs[1:])
         tokens = np.zeros(Tb, np.int32)
-        positions = np.zeros(Tb, np.int32)
-        slot_mapping = np.full(Tb, SCRATCH_PAGE * bs, np.int32)
-        cu = np.full(Sb + 1, T, np.int32)
-        cu[0] = 0
-        kv_lens = np.zeros(Sb, np.int32)
+        toks: list[int] = []
         pages = np.full((Sb, P), SCRATCH_PAGE, np.int32)
+        for s, (req, n) in enumerate(sched):
+            st = req.num_computed
+            if n == 1 and st >= len(req.prompt):  # a decode: the last sampled token
+                toks.append(req.output[st - len(req.prompt)])
+            else:
+                toks.extend(req.tokens(st, st + n))
+            table = self.blocks.tables[id(req)]
+            pages[s, :len(table)] = table
+        tokens[:T] = toks
+        row = np.repeat(np.arange(S), ns)  # [T] row of each real token
+        col = np.arange(T) - offs[row]
+        pos = starts[row] + col
+        tok_row = np.zeros(Tb, np.int32)
+        tok_row[:T] = row
+        tok_col = np.zeros(Tb, np.int32)
+        tok_col[:T] = col
+        positions = np.zeros(Tb, np.int32)
+        positions[:T] = pos
+        slot_mapping = np.full(Tb, SCRATCH_PAGE * bs, np.int32)
+        slot_mapping[:T] = pages[row, pos // bs] * bs + pos % bs
+        cu = np.full(Sb + 1, T, np.int32)
+        cu[:S + 1] = offs
+        kv_lens = np.zeros(Sb, np.int32)
+        kv_lens[:S] = starts + ns
+        last_idx = np.zeros(Sb, np.int32)
+        last_idx[:S] = offs[1:] - 1
         slots = np.full(Sb, self.slots.scratch, np.int32)
+        slots[:S] = [self.slots.owner[id(r)] for r, _ in sched]
         fresh = np.zeros(Sb, bool)
+        fresh[:S] = starts == 0
         gather_idx = np.zeros((Sp, Lb), np.int32)
         gather_valid = np.zeros((Sp, Lb), bool)
         pf_rows = np.full(Sp, Sb, np.int32)
-        tok_row = np.zeros(Tb, np.int32)
         tok_pf = np.zeros(Tb, bool)
         tok_prow = np.zeros(Tb, np.int32)
-        tok_col = np.zeros(Tb, np.int32)
-        prow = {s: j for j, s in enumerate(pf)}
-        last_idx = np.zeros(Sb, np.int32)
+        for j, s in enumerate(pf):
+            a, n = offs[s], q_lens[s]
+            gather_idx[j, :n] = np.arange(a, a + n)
+            gather_valid[j, :n] = True
+            pf_rows[j] = s
+            tok_pf[a:a + n] = True
+            tok_prow[a:a + n] = j
         temp = np.zeros(Sb, np.float32)
         top_k = np.zeros(Sb, np.int32)
         top_p = np.ones(Sb, np.float32)
         seeds = np.zeros(Sb, np.uint32)
         counters = np.zeros(Sb, np.int32)
-        off = 0
-        for s, ((req, n), table) in enumerate(zip(sched, tables)):
-            start = req.num_computed
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[off:off + n] = req.tokens(start, start + n)
-            positions[off:off + n] = pos
-            tab = np.asarray(table, np.int32)
-            slot_mapping[off:off + n] = tab[pos // bs] * bs + pos % bs
-            cu[s + 1] = off + n
-            kv_lens[s] = start + n
-            pages[s, :len(table)] = tab
-            slots[s] = self.slots.owner[id(req)]
-            fresh[s] = start == 0
-            if s in prow:
-                j = prow[s]
-                gather_idx[j, :n] = np.arange(off, off + n)
-                gather_valid[j, :n] = True
-                pf_rows[j] = s
-                tok_pf[off:off + n] = True
-                tok_prow[off:off + n] = j
-            tok_row[off:off + n] = s
-            tok_col[off:off + n] = np.arange(n)
-            last_idx[s] = off + n - 1
-            p = req.params
-            temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
-            seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
-            off += n
+        if any(r.params.temperature > 0 for r, _ in sched):  # greedy rows need none of these
+            for s, (req, _) in enumerate(sched):
+                p = req.params
+                temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
+                seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
         return StepBatch(tokens, positions, slot_mapping, cu, kv_lens, pages, np.array([S], np.int32), slots, fresh,
                          gather_idx, gather_valid, pf_rows, tok_row, tok_pf, tok_prow, tok_col, last_idx, temp,
                          top_k, top_p, seeds, counters)
@@ -258,12 +267,7 @@ class Engine:
                 raise RuntimeError("the scheduler could not run any request: a queued request does not fit the cache")
             return []
         batch = self.build_batch(sched)
-        if self.fused:
-            toks, logits, self.cache = step_fn(self.graphdef, self.params, self.cache, batch, backend=self.backend,
-                                               return_logits=self.keep_logits)
-        else:
-            toks, logits, self.cache = self._layerwise(self.cache, batch, backend=self.backend,
-                                                       return_logits=self.keep_logits)
+        toks, logits, self.cache = self._run(self.cache, batch, backend=self.backend, return_logits=self.keep_logits)
         toks = np.asarray(toks)
         if self.keep_logits:
             self.last_logits = {r.request_id: np.asarray(logits[s]) for s, (r, _) in enumerate(sched)

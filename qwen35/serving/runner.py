@@ -7,7 +7,8 @@ together — into `tokens [Tb]`. It is built from the model's own modules and th
   embed → per layer: input_layernorm → mixer → residual → post_attention_layernorm → SparseMoeBlock → residual
   attention mixer:  q_proj / k_proj / v_proj, q_norm / k_norm, `apply_rope` at each token's own position, K/V
                     scattered into the pages at `slot_mapping`, then ragged paged attention over the block tables
-                    (`qwen35.kernels`: the Pallas kernel when `config.backend == "pallas"`, else the reference),
+                    (the Pallas kernel of `qwen35.kernels` when `config.backend == "pallas"`, else
+                    `_paged_attention_rows`: the reference's result, computed by rows as the GDN mixer below is),
                     output gate, o_proj
   GDN mixer:        in_proj_*, then for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
                     token (exact for rows with one token: decodes), and for the rows with several tokens (prefill
@@ -39,7 +40,7 @@ from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gat
 from qwen35.serving.cache import PagedHybridCache
 from qwen35.serving.sampling import sample
 
-__all__ = ["StepBatch", "attention_backend", "serving_forward", "step_fn", "LayerwiseStep"]
+__all__ = ["StepBatch", "attention_backend", "serving_forward", "step_fn", "FusedStep", "LayerwiseStep"]
 
 
 class StepBatch(NamedTuple):
@@ -74,12 +75,64 @@ class StepBatch(NamedTuple):
 
 
 def attention_backend(backend: str):
-    """The ragged paged attention for `backend`: the Pallas kernel for "pallas" (when present), else the reference."""
-    from qwen35.kernels import ragged_paged_attention as rpa
+    """The ragged paged attention for `backend`: the Pallas kernel for "pallas", else None, which `_attention`
+    reads as `_paged_attention_rows` (the XLA path: `ragged_paged_attention_reference`'s result, laid out by rows)."""
+    if backend == "pallas":
+        from qwen35.kernels import ragged_paged_attention as rpa
 
-    if backend == "pallas" and hasattr(rpa, "ragged_paged_attention"):
         return rpa.ragged_paged_attention
-    return rpa.ragged_paged_attention_reference
+    return None
+
+
+def _softmax_attend(spec: str, qg, k, v, mask, scale):
+    """Masked softmax attention in float32. `spec` names q's leading axes (before [Hkv, G, D]) and k/v's (before
+    [L, Hkv, D]), e.g. "pj,p" for a block of queries per row; mask has q's leading axes + [L]. Fully masked
+    queries give 0."""
+    qa, ka = spec.split(",")
+    s = jnp.einsum(f"{qa}kgd,{ka}lkd->{qa}kgl", qg, k) * scale
+    mask = mask[..., None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return jnp.einsum(f"{qa}kgl,{ka}lkd->{qa}kgd", p / jnp.where(denom > 0, denom, 1.0), v)
+
+
+def _paged_attention_rows(q, k_pages, v_pages, b: StepBatch):
+    """Ragged paged attention for the XLA backend, by rows instead of by tokens: the same result as
+    `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
+    ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
+
+    Every row's last token attends to the row's pages ([Sb, L]: all a decode row has), and the rows with several
+    tokens (prefill chunks) attend again as the padded block [Sp, Lb] of `gather_idx`, causally, to their own
+    pages gathered anew (cheaper on CPU than a second reader of the [Sb, L] copy, which XLA then materialises),
+    and replace their tokens' outputs — the layout `_gdn` uses."""
+    T, Hq, D = q.shape
+    _, PS, Hkv, _ = k_pages.shape
+    Sb, P = b.page_indices.shape
+    G, L = Hq // Hkv, P * PS
+    scale = D ** -0.5
+
+    def pages(table):  # [R, P] page ids -> K, V [R, L, Hkv, D] float32
+        R = table.shape[0]
+        return (k_pages[table].reshape(R, L, Hkv, D).astype(jnp.float32),
+                v_pages[table].reshape(R, L, Hkv, D).astype(jnp.float32))
+
+    k, v = pages(b.page_indices)
+    qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
+    key_pos = jnp.arange(L, dtype=jnp.int32)
+    live = jnp.arange(Sb) < b.num_seqs[0]
+    o_last = _softmax_attend("s,s", qf[b.last_idx], k, v, (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None], scale)
+    o = o_last[b.tok_row]  # [Tb, Hkv, G, D]
+    Sp, Lb = b.gather_idx.shape
+    if Sp:
+        r = jnp.minimum(b.pf_rows, Sb - 1)
+        q_len = jnp.sum(b.gather_valid, axis=1)
+        pos = b.kv_lens[r][:, None] - q_len[:, None] + jnp.arange(Lb)[None, :]  # [Sp, Lb]
+        mask = (key_pos[None, None, :] <= pos[..., None]) & b.gather_valid[..., None]  # [Sp, Lb, L]
+        o_pf = _softmax_attend("pj,p", qf[b.gather_idx], *pages(b.page_indices[r]), mask, scale)  # [Sp, Lb, Hkv, G, D]
+        o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
+    return o.reshape(T, Hq, D).astype(q.dtype)
 
 
 def _attention(attn, x, b: StepBatch, kv: KVCache, rpa):
@@ -97,7 +150,10 @@ def _attention(attn, x, b: StepBatch, kv: KVCache, rpa):
     NP, PS = kv.k.shape[:2]
     kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
     vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
-    o = rpa(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)  # [Tb, Hq, Dh]
+    if rpa is None:  # the XLA path: attention by rows, as the GDN mixer does (see `_paged_attention_rows`)
+        o = _paged_attention_rows(q, kp, vp, b)
+    else:
+        o = rpa(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)  # [Tb, Hq, Dh]
     o = (o.reshape(T, Hq * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     return attn.o_proj(o), KVCache(kp, vp)
 
@@ -197,26 +253,70 @@ def serving_forward(model, cache: PagedHybridCache, b: StepBatch, rpa):
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend", "return_logits"), donate_argnames=("cache",))
 def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", return_logits: bool = False):
     """The fused step, one program: (next tokens [Sb] int32, logits [Sb, V] or None, new cache). The cache is
-    donated (updated in place)."""
+    donated (updated in place). For a loop, `FusedStep` runs the same program without re-hashing `graphdef`."""
     model = nnx.merge(graphdef, params)
     logits, cache = serving_forward(model, cache, batch, attention_backend(backend))
     return _sample(logits, batch), (logits if return_logits else None), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "dtype"))
-def _embed_jit(graphdef, params, tokens, *, dtype):
-    return nnx.merge(graphdef, params)(tokens, dtype)
+# Programs bound to a module's structure. Handing jit a Flax graph definition as a static argument costs a hash of
+# the whole definition on every call (~1 ms for one tiny layer: more than the layer's own compute on CPU), and the
+# nnx State a pytree walk over its Variables. So each program is built once per (graph definition, pytree
+# structure of the parameters), with both closed over, and called with the flat list of parameter arrays.
+_PROGRAMS: dict = {}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend"), donate_argnames=("st",))
-def _layer_jit(graphdef, params, h, st, b, *, backend):
-    return _layer(nnx.merge(graphdef, params), h, st, b, attention_backend(backend))
+def _program(kind: str, module):
+    """(jitted program for `kind` closed over `module`'s structure, the module's flat parameter arrays)."""
+    graphdef, state = nnx.split(module)
+    leaves, treedef = jax.tree.flatten(state)
+    key = (kind, graphdef, treedef)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _BUILDERS[kind](lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+    return _PROGRAMS[key], leaves
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "return_logits"))
-def _head_jit(graphdef, params, h, b, *, return_logits):
-    logits = _head(nnx.merge(graphdef, params), h, b)
-    return _sample(logits, b), (logits if return_logits else None)
+def _build_step(merge):
+    @functools.partial(jax.jit, static_argnames=("backend", "return_logits"), donate_argnames=("cache",))
+    def run(leaves, cache, batch, *, backend, return_logits):
+        logits, cache = serving_forward(merge(leaves), cache, batch, attention_backend(backend))
+        return _sample(logits, batch), (logits if return_logits else None), cache
+    return run
+
+
+def _build_embed(merge):
+    @functools.partial(jax.jit, static_argnames=("dtype",))
+    def run(leaves, tokens, *, dtype):
+        return merge(leaves)(tokens, dtype)
+    return run
+
+
+def _build_layer(merge):
+    @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("st",))
+    def run(leaves, h, st, b, *, backend):
+        return _layer(merge(leaves), h, st, b, attention_backend(backend))
+    return run
+
+
+def _build_head(merge):
+    @functools.partial(jax.jit, static_argnames=("return_logits",))
+    def run(leaves, h, b, *, return_logits):
+        logits = _head(merge(leaves), h, b)
+        return _sample(logits, b), (logits if return_logits else None)
+    return run
+
+
+_BUILDERS = {"step": _build_step, "embed": _build_embed, "layer": _build_layer, "head": _build_head}
+
+
+class FusedStep:
+    """`step_fn` for a loop: the whole step as one jitted program (best on accelerators), bound to `model` once."""
+
+    def __init__(self, model):
+        self.run, self.leaves = _program("step", model)
+
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
+        return self.run(self.leaves, cache, batch, backend=backend, return_logits=return_logits)
 
 
 class LayerwiseStep:
@@ -224,20 +324,22 @@ class LayerwiseStep:
 
     Layers of one kind share a graph definition and shapes, so the 6 GDN layers of the tiny model compile once,
     the 2 attention layers once: compile time drops by about the number of layers per kind, for one dispatch per
-    layer at run time. The engine uses it on CPU, where compiling dominates short runs; `step_fn` elsewhere.
+    layer at run time. The engine uses it on CPU, where compiling dominates short runs; `FusedStep` elsewhere.
     """
 
     def __init__(self, model):
         self.dtype = model.dtype
-        self.embed = nnx.split(model.model.embed_tokens)
-        self.layers = [nnx.split(layer) for layer in model.model.layers]
-        self.head = nnx.split(model)  # uses the final norm and lm_head (the rest are unused inputs)
+        self.embed = _program("embed", model.model.embed_tokens)
+        self.layers = [_program("layer", layer) for layer in model.model.layers]
+        self.head = _program("head", model)  # uses the final norm and lm_head (the rest are unused inputs)
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
-        h = _embed_jit(*self.embed, batch.tokens, dtype=self.dtype)
+        embed, leaves = self.embed
+        h = embed(leaves, batch.tokens, dtype=self.dtype)
         new = []
-        for (gd, params), st in zip(self.layers, cache.layers):
-            h, st = _layer_jit(gd, params, h, st, batch, backend=backend)
+        for (layer, leaves), st in zip(self.layers, cache.layers):
+            h, st = layer(leaves, h, st, batch, backend=backend)
             new.append(st)
-        toks, logits = _head_jit(*self.head, h, batch, return_logits=return_logits)
+        head, leaves = self.head
+        toks, logits = head(leaves, h, batch, return_logits=return_logits)
         return toks, logits, PagedHybridCache(tuple(new))
