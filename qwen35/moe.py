@@ -465,6 +465,13 @@ class MLP(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Below this many multiply-adds for running *every* expert on every token (N·E·3·I·H), the sorted path's sort,
+# gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops: on a
+# 2-core CPU the tiny preset's MoE at N = 64 tokens takes 140 µs dense against 610 µs sorted (N = 256, 12.6M MACs:
+# 590 against 650). Only toy configurations get here (the `small` preset's N = 4 is already 50M MACs).
+DENSE_MAX_MACS = 4 * 2**20
+
+
 class SparseMoeBlock(nnx.Module):
     """Qwen3.5's MoE FFN (`model.layers.{i}.mlp.*`): top-k routed experts plus a sigmoid-gated shared expert.
 
@@ -473,7 +480,8 @@ class SparseMoeBlock(nnx.Module):
     [H, Is], `shared_expert_gate.weight` [1, H].
 
     `impl` picks the expert path: "sorted" (default; a decode-sized batch with N·k <= E takes `experts_gather`,
-    the same sum with the used experts' weights gathered; with `config.backend == "pallas"` every batch size takes
+    the same sum with the used experts' weights gathered, and a batch whose dense work N·E·3IH is at most
+    `DENSE_MAX_MACS` multiply-adds takes `experts_dense`; with `config.backend == "pallas"` every batch size takes
     the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
     unpermute), "dense" or "capacity" (with `capacity_factor`, default
     1.25; its drop statistics are available from `experts_capacity`). `grouped_method` is passed to
@@ -534,7 +542,10 @@ class SparseMoeBlock(nnx.Module):
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":
             return experts_capacity(x, weights, experts, gu, dn, capacity_factor=self.capacity_factor)[0]
-        if x.shape[0] * self.top_k <= self.num_experts:  # decode-sized: gather the used experts' weights
+        N, E, I2, H = x.shape[0], *gu.shape
+        if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
+            return experts_dense(x, weights, experts, gu, dn)
+        if N * self.top_k <= self.num_experts:  # decode-sized: gather the used experts' weights
             return experts_gather(x, weights, experts, gu, dn)
         return experts_sorted(x, weights, experts, gu, dn, method=self.grouped_method)
 
