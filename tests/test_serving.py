@@ -8,6 +8,8 @@ engine pads rows to at least 32, so the jitted step programs are reused across t
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -58,9 +60,8 @@ def assert_all_free(engine):
     assert not engine.has_unfinished()
 
 
-# Pairwise cover of concurrency {1, 7, 32} x block size {16, 256} x chunked prefill {on, off}.
-@pytest.mark.parametrize("concurrency,block_size,chunked", [
-    (1, 16, True), (1, 256, False), (7, 16, False), (7, 256, True), (32, 16, True), (32, 256, False)])
+# Every combination of concurrency {1, 7, 32} x block size {16, 256} x chunked prefill {on, off}.
+@pytest.mark.parametrize("concurrency,block_size,chunked", list(itertools.product((1, 7, 32), (16, 256), (True, False))))
 def test_batch_invariance_greedy(model, prompts, max_tokens, reference, concurrency, block_size, chunked):
     n = 8 if concurrency == 1 else len(prompts)  # one at a time: 8 requests make the point
     engine = make_engine(model, concurrency, block_size, chunked)
