@@ -75,13 +75,14 @@ class StepBatch(NamedTuple):
 
 
 def attention_backend(backend: str):
-    """The ragged paged attention for `backend`: the Pallas kernel for "pallas", else None, which `_attention`
-    reads as `_paged_attention_rows` (the XLA path: `ragged_paged_attention_reference`'s result, laid out by rows)."""
+    """The step's ragged paged attention for `backend`, as `attend(q, k_pages, v_pages, batch) -> [Tb, Hq, D]`: the
+    Pallas kernel for "pallas", else `_paged_attention_rows` (the reference's result, laid out by rows)."""
     if backend == "pallas":
-        from qwen35.kernels import ragged_paged_attention as rpa
+        from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
 
-        return rpa.ragged_paged_attention
-    return None
+        return lambda q, kp, vp, b: ragged_paged_attention(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens,
+                                                           b.num_seqs)
+    return _paged_attention_rows
 
 
 def _softmax_attend(spec: str, qg, k, v, mask, scale):
@@ -135,7 +136,7 @@ def _paged_attention_rows(q, k_pages, v_pages, b: StepBatch):
     return o.reshape(T, Hq, D).astype(q.dtype)
 
 
-def _attention(attn, x, b: StepBatch, kv: KVCache, rpa):
+def _attention(attn, x, b: StepBatch, kv: KVCache, attend):
     T = x.shape[0]
     Hq, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qg = attn.q_proj(x).reshape(T, Hq, 2 * Dh)  # per head: [q_h | gate_h]
@@ -150,10 +151,7 @@ def _attention(attn, x, b: StepBatch, kv: KVCache, rpa):
     NP, PS = kv.k.shape[:2]
     kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
     vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
-    if rpa is None:  # the XLA path: attention by rows, as the GDN mixer does (see `_paged_attention_rows`)
-        o = _paged_attention_rows(q, kp, vp, b)
-    else:
-        o = rpa(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)  # [Tb, Hq, Dh]
+    o = attend(q, kp, vp, b)  # [Tb, Hq, Dh]
     o = (o.reshape(T, Hq * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     return attn.o_proj(o), KVCache(kp, vp)
 
@@ -212,13 +210,13 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     return gdn.out_proj(o), new
 
 
-def _layer(layer, h, st, b: StepBatch, rpa):
+def _layer(layer, h, st, b: StepBatch, attend):
     """One decoder layer on the packed tokens h [Tb, H]: mixer (reading/writing its cache) and MoE, residuals."""
     xn = layer.input_layernorm(h)
     if layer.layer_type == LINEAR:
         y, st = _gdn(layer.linear_attn, xn, b, st)
     else:
-        y, st = _attention(layer.self_attn, xn, b, st, rpa)
+        y, st = _attention(layer.self_attn, xn, b, st, attend)
     h = h + y
     m, _ = layer.mlp(layer.post_attention_layernorm(h)[None])
     return h + m[0], st
@@ -240,12 +238,12 @@ def _sample(logits, b: StepBatch):
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def serving_forward(model, cache: PagedHybridCache, b: StepBatch, rpa):
+def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend):
     """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code)."""
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     new_layers = []
     for layer, st in zip(model.model.layers, cache.layers):
-        h, st = _layer(layer, h, st, b, rpa)
+        h, st = _layer(layer, h, st, b, attend)
         new_layers.append(st)
     return _head(model, h, b), PagedHybridCache(tuple(new_layers))
 
