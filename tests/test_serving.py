@@ -264,3 +264,32 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
             ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
             got = _paged_attention_rows(q, k, v, b)
         np.testing.assert_allclose(np.asarray(got)[:T], np.asarray(ref)[:T], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_engine_with_the_pallas_backend_matches_generate():
+    """`backend="pallas"`: the engine's attention layers go through the ragged paged attention kernel (TPU interpret
+    mode on CPU) over the block tables, and greedy tokens equal `qwen35.generate` on the same weights with the XLA
+    backend. Two layers (one GDN, one attention) keep the interpreter's compile time down."""
+    from qwen35.config import FULL, LINEAR
+
+    cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+    m_xla = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    m_pal = Qwen35ForCausalLM(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20)]
+    engine = Engine(m_pal, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64)
+    batches = []
+    run = engine._run
+
+    def record(cache, batch, **kw):
+        batches.append(batch)
+        return run(cache, batch, **kw)
+
+    engine._run = record
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3))
+    assert [o.token_ids for o in outs] == [generate(m_xla, np.asarray(p), 3).tolist() for p in prompts]
+    prog, leaves = run.layers[1]  # the attention layer's program: the kernel is on its path
+    h = np.zeros((batches[0].tokens.shape[0], cfg.hidden_size), np.float32)
+    jaxpr = str(jax.make_jaxpr(lambda: prog(leaves, h, engine.cache.layers[1], batches[0], backend="pallas"))())
+    assert "pallas_call" in jaxpr and "name=_rpa" in jaxpr
