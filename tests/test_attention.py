@@ -272,6 +272,30 @@ def test_gqa_core_matches_reference(rng, B, T, S, Hq, Hkv, Dh, offset):
     assert_close(want, out, atol=1e-5, name="reference vs numpy")
 
 
+@pytest.mark.parametrize("T,block_q", [(37, 8), (37, 37), (64, 16), (5, 1), (300, None)])
+def test_gqa_query_blocks_match_reference(rng, T, block_q):
+    """Queries in blocks (the default for long inputs) give the reference's result, for causal self-attention
+    (q_positions=None: each block also stops at its last query's key) and for queries continuing a cache."""
+    B, Hq, Hkv, Dh = 2, 4, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, T, Hq, Dh)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, T + 9, Hkv, Dh)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, T + 9, Hkv, Dh)), jnp.float32)
+    got = gqa_attention(q, k[:, :T], v[:, :T], q_positions=None, block_q=block_q)
+    assert_close(got, reference_attention(q, k[:, :T], v[:, :T]), atol=1e-5, name="blocked self-attention")
+    off = 5  # T queries at positions 5.., keys up to T + 9 with kv_len T + 5
+    got = gqa_attention(q, k, v, q_positions=off + jnp.arange(T), kv_len=off + T, block_q=block_q)
+    want = reference_attention(q, k, v, causal_offset=off, kv_len=off + T)
+    assert_close(got, want, atol=1e-5, name="blocked, after a cache")
+
+
+def test_gqa_self_attention_needs_equal_lengths():
+    q = jnp.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="as many keys as queries"):
+        gqa_attention(q, jnp.zeros((1, 6, 1, 8)), jnp.zeros((1, 6, 1, 8)))
+    with pytest.raises(ValueError, match="block_q must be >= 1"):
+        gqa_attention(q, jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)), block_q=0)
+
+
 def test_module_matches_closed_form(rng):
     """The whole layer written out with numpy from its weights (projections, norms, RoPE, softmax, gate)."""
     cfg = CONFIGS["odd-yarn"]
