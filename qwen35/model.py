@@ -10,14 +10,14 @@ The module tree mirrors the Hugging Face names, so `model.layers.3.self_attn.q_p
     logits, cache = model(next_ids, cache=cache)              # decode (T = 1) or a multi-token continuation
     logits, _ = model(input_ids)                              # no cache: a plain forward
 
-Calls are jitted: the module is split into (graph, params) and a cached `jax.jit` of the pure forward runs, so
-the Python work per call is one tree flatten. One cache serves all three phases: per GDN layer the conv and
+Calls are jitted: the module is split into (graph, params) once, a `jax.jit` of the pure forward is built once per
+graph, and each call reads the current parameter arrays from the module's Variables (see `bound_call`). One cache serves all three phases: per GDN layer the conv and
 recurrent state, per attention layer K/V, and the number of tokens already seen.
 """
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -189,7 +189,8 @@ class Qwen35ForCausalLM(nnx.Module):
         if not jnp.issubdtype(input_ids.dtype, jnp.integer):
             raise ValueError(f"input_ids must be integers, got dtype {input_ids.dtype}")
         if not isinstance(input_ids, jax.core.Tracer):
-            lo, hi = int(jnp.min(input_ids)), int(jnp.max(input_ids))
+            xp = np if isinstance(input_ids, np.ndarray) else jnp
+            lo, hi = int(xp.min(input_ids)), int(xp.max(input_ids))
             if lo < 0 or hi >= self.config.vocab_size:
                 raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values in [{lo}, {hi}]")
         if cache is not None:
@@ -217,31 +218,112 @@ class Qwen35ForCausalLM(nnx.Module):
         if isinstance(input_ids, jax.core.Tracer):  # already inside someone's jit: just trace
             out = self.forward(input_ids, cache)
             return out.logits, out.cache
-        graphdef, state = nnx.split(self)
-        logits, new_cache = _jitted_forward(graphdef, state, jnp.asarray(input_ids, jnp.int32), cache)
-        return logits, new_cache
+        run, leaves = bound_call(self, "forward", _build_forward)
+        return run(leaves, jnp.asarray(input_ids, jnp.int32), cache)
 
     def forward_with_details(self, input_ids, cache: HybridCache | None = None) -> ModelOutput:
         """Like `__call__` but also returns every layer's hidden state and router logits (jitted)."""
         input_ids = np.asarray(input_ids) if isinstance(input_ids, (list, tuple)) else input_ids
         self._check_call(input_ids, cache)
-        input_ids = jnp.asarray(input_ids, jnp.int32)
-        graphdef, state = nnx.split(self)
-        return _jitted_forward_details(graphdef, state, input_ids, cache)
+        run, leaves = bound_call(self, "details", _build_details)
+        return run(leaves, jnp.asarray(input_ids, jnp.int32), cache)
 
     def num_params(self) -> int:
         return int(sum(x.size for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted_forward(graphdef, state, input_ids, cache):
-    out = nnx.merge(graphdef, state).forward(input_ids, cache)
-    return out.logits, out.cache
+# Calls without per-call module handling. `nnx.split` walks the whole module graph (about 8 ms for the tiny model,
+# more than its forward on CPU) and a graph definition given to jit as a static argument is hashed on every call
+# (about 1 ms). So a program is built once per (kind, graph definition, parameter tree structure) with both closed
+# over, and called with the flat list of parameter arrays; a module remembers its split, and re-splits only when a
+# cheap walk of its attributes (`_structure`) shows that the graph changed — a submodule or Variable replaced, a
+# static attribute set (`use_expert_parallel` sets several). New values of the same Variables (`v.value = ...`)
+# are read on every call.
+_PROGRAMS: dict = {}
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PRIMITIVES = (int, float, complex, bool, str, bytes, type(None))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted_forward_details(graphdef, state, input_ids, cache):
-    return nnx.merge(graphdef, state).forward(input_ids, cache)
+def bind_program(kind: str, module, build):
+    """(program, graph definition, tree structure) for `module`: `build(merge)` makes the jitted program, where
+    `merge(leaves)` rebuilds the module from its flat parameter arrays; built once per structure."""
+    graphdef, state = nnx.split(module)
+    treedef = jax.tree.structure(state)
+    key = (kind, graphdef, treedef)
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = build(lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
+    return _PROGRAMS[key], state
+
+
+_KINDS: dict = {}  # type -> how `_structure` walks it (isinstance on nnx types is slow: a metaclass check)
+
+
+def _kind(t: type) -> str:
+    k = _KINDS.get(t)
+    if k is None:
+        k = _KINDS[t] = ("variable" if issubclass(t, nnx.Variable) else "node" if issubclass(t, nnx.Pytree)
+                         else "seq" if issubclass(t, (list, tuple)) else "dict" if issubclass(t, dict) else "leaf")
+    return k
+
+
+def _structure(root) -> list:
+    """Everything that makes up `root`'s graph, cheaply: node types, attribute names, the Variable objects and
+    the static attribute values (compared by identity, or by value for Python scalars and strings)."""
+    out, stack = [], [root]
+    while stack:
+        x = stack.pop()
+        k = _kind(type(x))
+        if k == "node":
+            out.append(type(x))
+            for name, v in vars(x).items():
+                if not name.startswith("_pytree__"):
+                    out.append(name)
+                    stack.append(v)
+        elif k == "seq":
+            out += [type(x), len(x)]
+            stack.extend(x)
+        elif k == "dict":
+            out.append(dict)
+            out.extend(x.keys())
+            stack.extend(x.values())
+        else:  # a Variable or a static value
+            out.append(x)
+    return out
+
+
+def _same_structure(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x is y or (type(x) in _PRIMITIVES and type(x) is type(y) and x == y) for x, y in zip(a, b))
+
+
+def bound_call(module, kind: str, build):
+    """(program, flat parameter arrays) to call `module` with: `bind_program`, remembered per module until its
+    graph changes. The arrays are read from the module's Variables at every call."""
+    structure = _structure(module)
+    entry = _BOUND.get(module)
+    if entry is None or not _same_structure(entry["structure"], structure):
+        entry = {"structure": structure, "programs": {}}
+        _BOUND[module] = entry
+    if kind not in entry["programs"]:
+        program, state = bind_program(kind, module, build)
+        variables = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+        if len(variables) != len(jax.tree.leaves(state)) or not all(isinstance(v, nnx.Variable) for v in variables):
+            raise TypeError("bound_call expects every parameter leaf to be one nnx.Variable's array")
+        entry["programs"][kind] = (program, variables)
+    program, variables = entry["programs"][kind]
+    return program, [v.get_raw_value() for v in variables]
+
+
+def _build_forward(merge):
+    @jax.jit
+    def run(leaves, input_ids, cache):
+        out = merge(leaves).forward(input_ids, cache)
+        return out.logits, out.cache
+    return run
+
+
+def _build_details(merge):
+    return jax.jit(lambda leaves, input_ids, cache: merge(leaves).forward(input_ids, cache))
 
 
 def forward_fn(model: Qwen35ForCausalLM) -> tuple[Any, Any]:

@@ -108,3 +108,35 @@ def test_tied_embeddings_and_bf16():
     nnx.update(m32, jax.tree.map(lambda x: x.astype(jnp.float32), nnx.state(m, nnx.Param)))
     lg32, _ = m32(ids)
     assert np.max(np.abs(np.asarray(lg) - np.asarray(lg32))) < 0.1
+
+
+def test_calls_follow_value_and_structure_changes(prompt):
+    """`model(ids)` keeps its split between calls (no per-call graph walk by nnx); it must still see new values of
+    its Variables and re-split when the graph changes. Checked against the eager, untraced `model.forward`."""
+    import gc
+    import weakref
+
+    m = Qwen35ForCausalLM(qwen35.tiny(num_hidden_layers=4), rngs=nnx.Rngs(1))
+    ids = jnp.asarray(prompt)
+
+    def check(name):
+        with jax.default_matmul_precision("highest"):
+            got, want = m(prompt)[0], m.forward(ids).logits
+        assert_close(got, want, atol=1e-4, name=name)
+        return got
+
+    ref = check("first call")
+    m.lm_head.weight[...] = 2 * m.lm_head.weight[...]  # a new value in the same Variable
+    assert_close(check("new value"), 2 * ref, atol=1e-4, name="logits scale with lm_head")
+    m.model.norm.weight = nnx.Param(jnp.full_like(m.model.norm.weight[...], 0.5))  # a new Variable
+    check("new Variable")
+    m.model.layers[0].mlp.shared_expert = None  # a submodule removed: a different graph
+    no_shared = check("submodule removed")
+    assert float(jnp.max(jnp.abs(no_shared - ref))) > 1e-3
+    for layer in m.model.layers:  # a static attribute
+        layer.mlp.impl = "dense"
+    check("static attribute")
+    alive = weakref.ref(m)
+    del m
+    gc.collect()
+    assert alive() is None, "the remembered split must not keep the model alive"

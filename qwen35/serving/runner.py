@@ -37,6 +37,7 @@ from qwen35.attention import KVCache, apply_rope, rope_cos_sin, rope_inv_freq
 from qwen35.config import LINEAR
 from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                         gated_delta_rule_step)
+from qwen35.model import bind_program
 from qwen35.serving.cache import PagedHybridCache
 from qwen35.serving.sampling import sample
 
@@ -257,21 +258,15 @@ def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", 
     return _sample(logits, batch), (logits if return_logits else None), cache
 
 
-# Programs bound to a module's structure. Handing jit a Flax graph definition as a static argument costs a hash of
-# the whole definition on every call (~1 ms for one tiny layer: more than the layer's own compute on CPU), and the
-# nnx State a pytree walk over its Variables. So each program is built once per (graph definition, pytree
-# structure of the parameters), with both closed over, and called with the flat list of parameter arrays.
-_PROGRAMS: dict = {}
-
-
+# Programs bound to a module's structure (`qwen35.model.bind_program`): handing jit a Flax graph definition as a
+# static argument costs a hash of the whole definition on every call (~1 ms for one tiny layer: more than the
+# layer's own compute on CPU), and the nnx State a pytree walk over its Variables. So each program is built once
+# per (graph definition, pytree structure of the parameters), with both closed over, and called with the flat list
+# of parameter arrays.
 def _program(kind: str, module):
     """(jitted program for `kind` closed over `module`'s structure, the module's flat parameter arrays)."""
-    graphdef, state = nnx.split(module)
-    leaves, treedef = jax.tree.flatten(state)
-    key = (kind, graphdef, treedef)
-    if key not in _PROGRAMS:
-        _PROGRAMS[key] = _BUILDERS[kind](lambda leaves: nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves)))
-    return _PROGRAMS[key], leaves
+    program, state = bind_program(kind, module, _BUILDERS[kind])
+    return program, jax.tree.leaves(state)
 
 
 def _build_step(merge):
