@@ -466,10 +466,13 @@ class MLP(nnx.Module):
 
 
 # Below this many multiply-adds for running *every* expert on every token (N·E·3·I·H), the sorted path's sort,
-# gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops: on a
-# 2-core CPU the tiny preset's MoE at N = 64 tokens takes 140 µs dense against 610 µs sorted (N = 256, 12.6M MACs:
-# 590 against 650). Only toy configurations get here (the `small` preset's N = 4 is already 50M MACs).
-DENSE_MAX_MACS = 4 * 2**20
+# gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops. On a
+# 2-core CPU, the tiny preset's MoE (jitted, median of 30 calls): N = 64 tokens (3M MACs) 235 µs dense against
+# 492 µs sorted, N = 128 (6M) 389 against 487, N = 256 (12M) 580 against 568, N = 512 (24M) 660 against 898.
+# Decode-sized batches (N·k <= E) take `experts_gather` before this test: for the tiny preset at N = 1 it took
+# 36 µs against 97 µs dense, and for the `small` preset dense would read all 32 experts (26 ms against 0.6 ms).
+# Only toy configurations get here: the `small` preset's smallest batch past the gather bound (N = 9) is 113M MACs.
+DENSE_MAX_MACS = 16 * 2**20
 
 
 class SparseMoeBlock(nnx.Module):
@@ -543,10 +546,10 @@ class SparseMoeBlock(nnx.Module):
         if self.impl == "capacity":
             return experts_capacity(x, weights, experts, gu, dn, capacity_factor=self.capacity_factor)[0]
         N, E, I2, H = x.shape[0], *gu.shape
-        if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
-            return experts_dense(x, weights, experts, gu, dn)
         if N * self.top_k <= self.num_experts:  # decode-sized: gather the used experts' weights
             return experts_gather(x, weights, experts, gu, dn)
+        if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
+            return experts_dense(x, weights, experts, gu, dn)
         return experts_sorted(x, weights, experts, gu, dn, method=self.grouped_method)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
