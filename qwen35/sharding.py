@@ -784,19 +784,17 @@ def _named(mesh, tree):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-@functools.lru_cache(maxsize=32)
-def _sharded_forward(graphdef, mesh, rules, with_cache: bool):
-    from flax import nnx
+def _sharded_forward(mesh, rules, with_cache: bool):
+    """The builder `qwen35.model.bound_call` takes for a sharded model's forward (built once per graph)."""
+    def build(merge):
+        def f(leaves, input_ids, cache):
+            out = merge(leaves).forward(input_ids, cache)
+            return out.logits, out.cache
 
-    logits_sh = jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 3, rules))
-
-    def f(state, input_ids, cache):
-        out = nnx.merge(graphdef, state).forward(input_ids, cache)
-        return out.logits, out.cache
-
-    if not with_cache:
-        return jax.jit(f, out_shardings=(logits_sh, None))
-    return jax.jit(f)  # cache shardings: given per call in `ShardedLM.__call__` via lax.with_sharding_constraint
+        if not with_cache:
+            return jax.jit(f, out_shardings=(jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 3, rules)), None))
+        return jax.jit(f)  # cache shardings: given per call in `ShardedLM.__call__` via lax.with_sharding_constraint
+    return build
 
 
 def _make_sharded_class():
@@ -821,13 +819,13 @@ def _make_sharded_class():
                 out = self.forward(input_ids, cache)
                 return out.logits, out.cache
             _check_batch(input_ids.shape[0], self.mesh, self.rules)
-            from flax import nnx
+            from qwen35.model import bound_call
 
-            graphdef, state = nnx.split(self)
             ids = jax.device_put(jnp.asarray(input_ids, jnp.int32),
                                  jax.sharding.NamedSharding(self.mesh, _batch_spec(self.mesh, 2, self.rules)))
-            f = _sharded_forward(graphdef, self.mesh, self.rules, cache is not None)
-            logits, new_cache = f(state, ids, cache)
+            kind = ("sharded", self.mesh, self.rules, cache is not None)
+            f, leaves = bound_call(self, kind, _sharded_forward(self.mesh, self.rules, cache is not None))
+            logits, new_cache = f(leaves, ids, cache)
             if new_cache is not None:  # keep the cache where init_cache put it (a no-op when already there)
                 new_cache = jax.device_put(new_cache, _named(self.mesh, cache_specs(new_cache, self.mesh,
                                                                                      self.rules)))
