@@ -117,9 +117,9 @@ def main(argv=None) -> dict:
         print(f"{'batching':<12}{'seconds':>9}{'steps':>7}{'out tok/s':>11}")
         for mode, r in res.items():
             print(f"{mode:<12}{r['seconds']:>9.2f}{r['steps']:>7}{r['output_tps']:>11,.0f}")
-        print(f"continuous / static: {ratio:.2f}x output tokens/s ({res['static']['steps'] / res['continuous']['steps']:.2f}x "
-              f"fewer steps); target >= 1.5x\n(median of {len(pairs)} back-to-back pairs; all pairs: "
-              f"{', '.join(f'{r:.2f}' for r, _ in pairs)})")
+        fewer = res["static"]["steps"] / res["continuous"]["steps"]
+        print(f"continuous / static: {ratio:.2f}x output tokens/s ({fewer:.2f}x fewer steps); target >= 1.5x\n"
+              f"(median of {len(pairs)} back-to-back pairs; all pairs: {', '.join(f'{r:.2f}' for r, _ in pairs)})")
     steady = batching[max(batching)]
 
     # 2. decode step time vs batch size ------------------------------------------------------------------------

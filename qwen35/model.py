@@ -11,8 +11,9 @@ The module tree mirrors the Hugging Face names, so `model.layers.3.self_attn.q_p
     logits, _ = model(input_ids)                              # no cache: a plain forward
 
 Calls are jitted: the module is split into (graph, params) once, a `jax.jit` of the pure forward is built once per
-graph, and each call reads the current parameter arrays from the module's Variables (see `bound_call`). One cache serves all three phases: per GDN layer the conv and
-recurrent state, per attention layer K/V, and the number of tokens already seen.
+graph, and each call reads the current parameter arrays from the module's Variables (see `bound_call`). One cache
+serves all three phases: per GDN layer the conv and recurrent state, per attention layer K/V, and the number of
+tokens already seen.
 """
 
 from __future__ import annotations
@@ -244,9 +245,10 @@ _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PRIMITIVES = (int, float, complex, bool, str, bytes, type(None))
 
 
-def bind_program(kind: str, module, build):
-    """(program, graph definition, tree structure) for `module`: `build(merge)` makes the jitted program, where
-    `merge(leaves)` rebuilds the module from its flat parameter arrays; built once per structure."""
+def bind_program(kind, module, build):
+    """(program, `module`'s nnx State): `build(merge)` makes the jitted program, where `merge(leaves)` rebuilds the
+    module from its flat parameter arrays; built once per (kind, graph definition, tree structure) and shared by
+    every module of that structure. `kind` is any hashable tag."""
     graphdef, state = nnx.split(module)
     treedef = jax.tree.structure(state)
     key = (kind, graphdef, treedef)
@@ -296,7 +298,7 @@ def _same_structure(a: list, b: list) -> bool:
         x is y or (type(x) in _PRIMITIVES and type(x) is type(y) and x == y) for x, y in zip(a, b))
 
 
-def bound_call(module, kind: str, build):
+def bound_call(module, kind, build):
     """(program, flat parameter arrays) to call `module` with: `bind_program`, remembered per module until its
     graph changes. The arrays are read from the module's Variables at every call."""
     structure = _structure(module)

@@ -61,7 +61,8 @@ def assert_all_free(engine):
 
 
 # Every combination of concurrency {1, 7, 32} x block size {16, 256} x chunked prefill {on, off}.
-@pytest.mark.parametrize("concurrency,block_size,chunked", list(itertools.product((1, 7, 32), (16, 256), (True, False))))
+@pytest.mark.parametrize("concurrency,block_size,chunked",
+                         list(itertools.product((1, 7, 32), (16, 256), (True, False))))
 def test_batch_invariance_greedy(model, prompts, max_tokens, reference, concurrency, block_size, chunked):
     n = 8 if concurrency == 1 else len(prompts)  # one at a time: 8 requests make the point
     engine = make_engine(model, concurrency, block_size, chunked)
@@ -293,3 +294,36 @@ def test_engine_with_the_pallas_backend_matches_generate():
     h = np.zeros((batches[0].tokens.shape[0], cfg.hidden_size), np.float32)
     jaxpr = str(jax.make_jaxpr(lambda: prog(leaves, h, engine.cache.layers[1], batches[0], backend="pallas"))())
     assert "pallas_call" in jaxpr and "name=_rpa" in jaxpr
+
+
+def test_fused_engine_and_step_fn_match_generate():
+    """`fused=True` (the default off CPU: the whole step as one program, `FusedStep`) gives the greedy tokens of
+    `qwen35.generate`, and the one-shot `step_fn` gives the same tokens and logits as `FusedStep` on a mixed step.
+    Two layers (one GDN, one attention) keep the compile time down."""
+    from qwen35.config import FULL, LINEAR
+    from qwen35.serving.runner import FusedStep, step_fn
+
+    cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+    m = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20, 9)]
+    engine = Engine(m, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64, fused=True)
+    assert isinstance(engine._run, FusedStep)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == [generate(m, np.asarray(p), 4).tolist() for p in prompts]
+    assert_all_free(engine)
+
+    engine.add_request(prompts[0], SamplingParams(max_tokens=4))
+    engine.step()  # request 0 decodes next, request 1 prefills: one mixed step
+    engine.add_request(prompts[1], SamplingParams(max_tokens=4))
+    batch = engine.build_batch(engine.scheduler.schedule())
+    assert batch.gather_idx.shape[0] >= 1
+
+    def copy(cache):  # both programs donate the cache
+        return jax.tree.map(lambda a: a.copy(), cache)
+
+    graphdef, params = nnx.split(m)
+    toks_a, logits_a, _ = step_fn(graphdef, params, copy(engine.cache), batch, return_logits=True)
+    toks_b, logits_b, _ = engine._run(copy(engine.cache), batch, return_logits=True)
+    np.testing.assert_array_equal(np.asarray(toks_a), np.asarray(toks_b))
+    np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=0, atol=1e-5)

@@ -124,7 +124,8 @@ def _paged_attention_rows(q, k_pages, v_pages, b: StepBatch):
     qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
     key_pos = jnp.arange(L, dtype=jnp.int32)
     live = jnp.arange(Sb) < b.num_seqs[0]
-    o_last = _softmax_attend("s,s", qf[b.last_idx], k, v, (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None], scale)
+    visible = (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None]  # [Sb, L]
+    o_last = _softmax_attend("s,s", qf[b.last_idx], k, v, visible, scale)
     o = o_last[b.tok_row]  # [Tb, Hkv, G, D]
     Sp, Lb = b.gather_idx.shape
     if Sp:
@@ -253,16 +254,16 @@ def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend):
 def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", return_logits: bool = False):
     """The fused step, one program: (next tokens [Sb] int32, logits [Sb, V] or None, new cache). The cache is
     donated (updated in place). For a loop, `FusedStep` runs the same program without re-hashing `graphdef`."""
-    model = nnx.merge(graphdef, params)
+    return _step(nnx.merge(graphdef, params), cache, batch, backend, return_logits)
+
+
+def _step(model, cache, batch, backend, return_logits):
     logits, cache = serving_forward(model, cache, batch, attention_backend(backend))
     return _sample(logits, batch), (logits if return_logits else None), cache
 
 
-# Programs bound to a module's structure (`qwen35.model.bind_program`): handing jit a Flax graph definition as a
-# static argument costs a hash of the whole definition on every call (~1 ms for one tiny layer: more than the
-# layer's own compute on CPU), and the nnx State a pytree walk over its Variables. So each program is built once
-# per (graph definition, pytree structure of the parameters), with both closed over, and called with the flat list
-# of parameter arrays.
+# Programs bound to a module's structure by `qwen35.model.bind_program` (why: see there), called with the flat
+# parameter arrays taken once, when the engine is built.
 def _program(kind: str, module):
     """(jitted program for `kind` closed over `module`'s structure, the module's flat parameter arrays)."""
     program, state = bind_program(kind, module, _BUILDERS[kind])
@@ -272,8 +273,7 @@ def _program(kind: str, module):
 def _build_step(merge):
     @functools.partial(jax.jit, static_argnames=("backend", "return_logits"), donate_argnames=("cache",))
     def run(leaves, cache, batch, *, backend, return_logits):
-        logits, cache = serving_forward(merge(leaves), cache, batch, attention_backend(backend))
-        return _sample(logits, batch), (logits if return_logits else None), cache
+        return _step(merge(leaves), cache, batch, backend, return_logits)
     return run
 
 
