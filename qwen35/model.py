@@ -257,6 +257,13 @@ def bind_program(kind, module, build):
     return _PROGRAMS[key], state
 
 
+def clear_programs() -> None:
+    """Forget every program `bind_program` built and every module's remembered split (the compiled code they hold
+    is freed with `jax.clear_caches()`); later calls rebuild them. The test suite does this between files."""
+    _PROGRAMS.clear()
+    _BOUND.clear()
+
+
 _KINDS: dict = {}  # type -> how `_structure` walks it (isinstance on nnx types is slow: a metaclass check)
 
 
