@@ -137,11 +137,32 @@ def _serving_model(args):
     from qwen35.model import Qwen35ForCausalLM
 
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+    ep = args.expert_parallel
+    if ep is None:  # a checkpoint on an accelerator host: its experts over every device (the playbook's layout)
+        ep = jax.device_count() if args.checkpoint and jax.default_backend() != "cpu" else 1
+    if not 1 <= ep <= jax.device_count():
+        raise SystemExit(f"--expert-parallel {ep}: this host has {jax.device_count()} devices")
+    mesh = None
+    if ep > 1:
+        from qwen35.sharding import make_mesh
+
+        mesh = make_mesh(expert=ep, devices=jax.devices()[:ep])
+        print(f"experts split over {ep} devices (EP), attention and GDN replicated")
     if args.checkpoint:
+        from qwen35.sharding import load_sharded
         from qwen35.weights import load_hf_checkpoint, load_tokenizer
 
-        return load_hf_checkpoint(args.checkpoint, dtype=dtype, progress=True), load_tokenizer(args.checkpoint)
-    return Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(args.seed), param_dtype=dtype), None
+        if mesh is None:
+            model = load_hf_checkpoint(args.checkpoint, dtype=dtype, progress=True)
+        else:  # each tensor straight to its devices as it is read: no device ever holds the whole checkpoint
+            model = load_sharded(args.checkpoint, mesh, dtype=dtype, progress=True)
+        return model, load_tokenizer(args.checkpoint)
+    model = Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(args.seed), param_dtype=dtype)
+    if mesh is not None:
+        from qwen35.sharding import shard_model
+
+        model = shard_model(model, mesh)
+    return model, None
 
 
 def _serving_common(sp) -> None:
@@ -149,6 +170,9 @@ def _serving_common(sp) -> None:
     src.add_argument("--checkpoint", default=None, help="Hugging Face checkpoint folder (config.json + safetensors)")
     src.add_argument("--preset", default="tiny", help="preset with random weights when no checkpoint (default tiny)")
     sp.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, else bfloat16)")
+    sp.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                    help="split the experts over N devices (EP; attention replicated). Default: every device for "
+                         "a checkpoint on an accelerator host, else 1 (unsharded)")
     sp.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: concurrency)")
     sp.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (playbook: 1024)")
     sp.add_argument("--block-size", type=int, default=256, help="KV page size in tokens (playbook: 256)")

@@ -54,6 +54,8 @@ __all__ = [
     "logical_to_spec",
     "param_logical_axes",
     "param_specs",
+    "checkpoint_shardings",
+    "load_sharded",
     "check_mesh",
     "pack_routing",
     "unpack_routing",
@@ -258,22 +260,54 @@ def param_specs(params, mesh: Mesh, rules=LOGICAL_RULES, config: Qwen35Config | 
     if config is not None:
         check_mesh(config, mesh, rules)
 
-    def spec(path, leaf):
-        name = _path_name(path)
-        axes = param_logical_axes(name, leaf.shape)
-        s = logical_to_spec(axes, rules, mesh)
-        for dim, (size, entry) in enumerate(zip(leaf.shape, s)):
-            if entry is None:
-                continue
-            names = (entry,) if isinstance(entry, str) else entry
-            n = _axes_size(mesh, names)
-            if size % n:
-                raise ShardingError(f"{name} {tuple(leaf.shape)}: dim {dim} ({axes[dim]}, size {size}) cannot be "
-                                    f"split over {_axes_desc(mesh, names)}; change the mesh or the rule for "
-                                    f"{axes[dim]!r}")
-        return s
+    return jax.tree_util.tree_map_with_path(lambda path, leaf: _param_spec(_path_name(path), leaf.shape, mesh, rules),
+                                            params)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+
+def _param_spec(name: str, shape, mesh: Mesh, rules) -> P:
+    """The PartitionSpec of parameter `name` of this shape; `ShardingError` when a split does not divide."""
+    axes = param_logical_axes(name, shape)
+    s = logical_to_spec(axes, rules, mesh)
+    for dim, (size, entry) in enumerate(zip(shape, s)):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else entry
+        n = _axes_size(mesh, names)
+        if size % n:
+            raise ShardingError(f"{name} {tuple(shape)}: dim {dim} ({axes[dim]}, size {size}) cannot be "
+                                f"split over {_axes_desc(mesh, names)}; change the mesh or the rule for "
+                                f"{axes[dim]!r}")
+    return s
+
+
+def checkpoint_shardings(mesh: Mesh, rules=LOGICAL_RULES, config: Qwen35Config | None = None):
+    """The `shardings=` callable for `load_hf_checkpoint`: each tensor goes straight to its place on `mesh` under
+    `rules` as it is read (the layout `shard_model` gives), so no device — and no host buffer — ever holds the
+    whole checkpoint. Pass `config` to run `check_mesh` first. TP-MoE layouts (a mesh axis for "expert_mlp")
+    regroup gate_up rows before placing them, which a per-tensor placement cannot do: load those unsharded and
+    call `shard_model`."""
+    if config is not None:
+        check_mesh(config, mesh, rules)
+    if mesh_axes_for("expert_mlp", mesh, rules):
+        raise ShardingError("checkpoint_shardings cannot place a TP-MoE layout (the expert_mlp rule splits gate_up "
+                            "rows after regrouping them); load the checkpoint unsharded and call shard_model")
+
+    def shardings(name: str, shape) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(mesh, _param_spec(name, shape, mesh, rules))
+
+    return shardings
+
+
+def load_sharded(path, mesh: Mesh, *, rules=LOGICAL_RULES, moe_exchange: str = "allgather", **load_kwargs):
+    """`load_hf_checkpoint` straight onto `mesh` (`checkpoint_shardings`), then `shard_model`: the serving model
+    for a checkpoint bigger than one device, e.g. `load_sharded(path, make_mesh(expert=8), dtype=jnp.bfloat16)`
+    for the playbook's DP attention + EP layout. The mesh is checked against the checkpoint's config before any
+    tensor is read; `load_kwargs` go to `load_hf_checkpoint`."""
+    from qwen35.weights import load_hf_checkpoint
+
+    config = Qwen35Config.from_hf(path)  # ConfigError / ShardingError here, before any tensor is read
+    model = load_hf_checkpoint(path, shardings=checkpoint_shardings(mesh, rules, config), **load_kwargs)
+    return shard_model(model, mesh, moe_exchange=moe_exchange, rules=rules)
 
 
 def check_mesh(config: Qwen35Config, mesh: Mesh, rules=LOGICAL_RULES) -> None:

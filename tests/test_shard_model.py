@@ -1,6 +1,9 @@
 """The sharded model (DP attention + EP experts) against the unsharded one; the full-size memory plan against
 hand arithmetic; the 397B decode step lowered for TPU from shapes alone."""
 
+import json
+
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -53,6 +56,43 @@ def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange)
     assert int(cache.index) == 9
     for step, (a, b) in enumerate(zip(out, ref)):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0, err_msg=f"{exchange} step {step}")
+
+
+def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and_reference, tmp_path):
+    """A checkpoint loaded straight onto the mesh (`load_sharded`: `checkpoint_shardings` per tensor, then
+    `shard_model`) is placed at load (experts E/8 per device, the rest replicated) and gives the unsharded
+    model's logits; a mesh that does not divide the experts, or a TP-MoE layout, is refused before any read."""
+    import qwen35
+
+    model, ids, ref = tiny_model_and_reference
+    qwen35.save_hf_checkpoint(model, tmp_path)
+    mesh = S.make_mesh(expert=8)
+    placed = []
+    shard = S.checkpoint_shardings(mesh, config=model.config)
+
+    def spy(name, shape):
+        placed.append((name, shard(name, shape).spec))
+        return shard(name, shape)
+
+    loaded = qwen35.load_hf_checkpoint(tmp_path, shardings=spy, progress=False)
+    specs = dict(placed)
+    assert specs["model.layers.0.mlp.experts.gate_up_proj"] == P("expert", None, None)
+    assert specs["model.layers.0.mlp.experts.down_proj"] == P("expert", None, None)
+    assert specs["model.layers.3.self_attn.q_proj.weight"] == P(None, None)
+    gu = loaded.model.layers[0].mlp.experts.gate_up_proj[...]
+    assert gu.addressable_shards[0].data.shape == (model.config.num_experts // 8, *gu.shape[1:])
+
+    smodel = S.load_sharded(tmp_path, mesh, progress=False)
+    assert smodel.model.layers[0].mlp.impl == "ep"
+    cache = smodel.init_cache(8, 16)
+    for step, sl in enumerate((slice(0, 7), slice(7, 8), slice(8, 9))):
+        logits, cache = smodel(ids[:, sl], cache=cache)
+        np.testing.assert_allclose(np.asarray(logits), ref[step], atol=2e-5, rtol=0, err_msg=f"step {step}")
+
+    with pytest.raises(S.ShardingError, match="expert"):  # 8 experts over 3 devices
+        S.load_sharded(tmp_path, S.make_mesh(expert=3, devices=jax.devices()[:3]), progress=False)
+    with pytest.raises(S.ShardingError, match="TP-MoE"):
+        S.checkpoint_shardings(S.make_mesh(model=8), S.rules_with(expert_mlp=("model",)))
 
 
 TP_LAYOUTS = {
@@ -147,3 +187,22 @@ def test_decode_step_lowers_for_tpu_from_shapes_only():
     assert "all_gather" in text and "reduce_scatter" in text
     with pytest.raises(S.ShardingError, match="multiple of 8"):
         S.decode_step_lowering(cfg, mesh, batch=12, max_len=64)
+
+
+def test_cli_generate_serves_a_checkpoint_with_expert_parallel(tiny_model_and_reference, tmp_path, capsys):
+    """`python -m qwen35 generate --checkpoint PATH --expert-parallel 8` loads the checkpoint onto 8 devices and
+    streams `qwen35.generate`'s greedy tokens (no tokenizer.json in the folder: byte tokens)."""
+    import qwen35
+    from qwen35.__main__ import main
+
+    model, _, _ = tiny_model_and_reference
+    qwen35.save_hf_checkpoint(model, tmp_path / "ckpt")
+    prompt = "Hello, TPU"
+    want = np.asarray(qwen35.generate(model, np.asarray([list(prompt.encode())]), 5))[0].tolist()
+    out = tmp_path / "out.json"
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-tokens", "5",
+                 "--max-num-batched-tokens", "16", "--expert-parallel", "8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["token_ids"] == want[-5:]
+    assert "experts split over 8 devices" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="9.*8 devices"):
+        main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--expert-parallel", "9"])
