@@ -6,21 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from qwen35.kernels.reduce_scatter import hierarchical_reduce_scatter, reduce_scatter_bytes
 from qwen35.sharding import hierarchical_psum_scatter, make_mesh
 
-RACES = pltpu.InterpretParams(detect_races=True)
+from pallas_helpers import RACES, clean_interpreter, races_found  # noqa: F401 (autouse fixture)
+
 AXES = ("chip", "core")  # outer, inner
-
-
-@pytest.fixture(autouse=True)
-def _reset_interpret_state():
-    yield
-    pltpu.reset_tpu_interpret_mode_state()
 
 
 def _shard(f, mesh):
@@ -40,7 +34,7 @@ def test_reduce_scatter_matches_psum_scatter(chips, cores, micro, dtype):
     M, D = n * micro * 2, 16  # rows per device: 2 rows per micro-batch piece
     x = jnp.asarray(np.random.default_rng(chips).standard_normal((n * M, D)), jnp.float32).astype(dtype)
     y = _shard(lambda x: hierarchical_reduce_scatter(x, "core", "chip", micro_batches=micro, interpret=RACES), mesh)(x)
-    assert not _ipc.races.races_found, "the race detector reported a data race"
+    assert not races_found(), "the race detector reported a data race"
     flat = _shard(lambda x: jax.lax.psum_scatter(x, AXES, scatter_dimension=0, tiled=True), mesh)(x)
     hier = _shard(lambda x: hierarchical_psum_scatter(x, "core", "chip"), mesh)(x)
     assert y.shape == flat.shape == (M, D)  # global: n blocks of M / n rows
@@ -103,4 +97,4 @@ def test_the_race_detector_catches_a_racy_remote_dma():
 
     jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("core"), out_specs=P("core"), check_vma=False))(
         jnp.ones((8 * 8, 128))).block_until_ready()
-    assert _ipc.races.races_found
+    assert races_found()
