@@ -71,8 +71,9 @@ def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and
     shard = S.checkpoint_shardings(mesh, config=model.config)
 
     def spy(name, shape):
-        placed.append((name, shard(name, shape).spec))
-        return shard(name, shape)
+        sharding = shard(name, shape)
+        placed.append((name, sharding.spec))
+        return sharding
 
     loaded = qwen35.load_hf_checkpoint(tmp_path, shardings=spy, progress=False)
     specs = dict(placed)
