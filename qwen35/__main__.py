@@ -152,10 +152,11 @@ def _serving_model(args):
         from qwen35.sharding import load_sharded
         from qwen35.weights import load_hf_checkpoint, load_tokenizer
 
+        fp8 = args.fp8 or ("dequantize" if jax.default_backend() == "cpu" else "keep")
         if mesh is None:
-            model = load_hf_checkpoint(args.checkpoint, dtype=dtype, progress=True)
+            model = load_hf_checkpoint(args.checkpoint, dtype=dtype, fp8=fp8, progress=True)
         else:  # each tensor straight to its devices as it is read: no device ever holds the whole checkpoint
-            model = load_sharded(args.checkpoint, mesh, dtype=dtype, progress=True)
+            model = load_sharded(args.checkpoint, mesh, dtype=dtype, fp8=fp8, progress=True)
         return model, load_tokenizer(args.checkpoint)
     model = Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(args.seed), param_dtype=dtype)
     if mesh is not None:
@@ -173,6 +174,9 @@ def _serving_common(sp) -> None:
     sp.add_argument("--expert-parallel", type=int, default=None, metavar="N",
                     help="split the experts over N devices (EP; attention replicated). Default: every device for "
                          "a checkpoint on an accelerator host, else 1 (unsharded)")
+    sp.add_argument("--fp8", choices=["keep", "dequantize"], default=None,
+                    help="an FP8 checkpoint's experts: keep them FP8 with their block scales (half of bf16's "
+                         "memory; default on an accelerator) or dequantise them on load (default on CPU)")
     sp.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: concurrency)")
     sp.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (playbook: 1024)")
     sp.add_argument("--block-size", type=int, default=256, help="KV page size in tokens (playbook: 256)")

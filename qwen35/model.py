@@ -79,7 +79,7 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += mixer(input_layernorm(h)); h += moe(post_attention_layernorm(h))."""
 
     def __init__(self, config: Qwen35Config, layer_idx: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 moe_impl: str = "sorted"):
+                 moe_impl: str = "sorted", fp8_experts: bool = False):
         c = config
         self.layer_type = c.layer_types[layer_idx]
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
@@ -88,7 +88,7 @@ class DecoderLayer(nnx.Module):
         else:
             self.self_attn = GatedAttention(c, rngs=rngs, param_dtype=param_dtype)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, impl=moe_impl)
+        self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, impl=moe_impl, fp8_experts=fp8_experts)
 
     def __call__(self, h, state, cache_index):
         x = self.input_layernorm(h)
@@ -104,11 +104,12 @@ class DecoderLayer(nnx.Module):
 class TextModel(nnx.Module):
     """`model.*`: embed_tokens, layers, norm."""
 
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted"):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted",
+                 fp8_experts: bool = False):
         c = config
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype)
         self.layers = nnx.List([
-            DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl)
+            DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
             for i in range(c.num_hidden_layers)
         ])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
@@ -118,16 +119,18 @@ class Qwen35ForCausalLM(nnx.Module):
     """Qwen3.5-MoE causal LM (text). See the module docstring for the API.
 
     `dtype` is the activation dtype (default: the parameters' dtype); the GDN core, router, norms and softmax
-    run in float32 regardless. `moe_impl` picks the expert path ("sorted", "dense" or "capacity").
+    run in float32 regardless. `moe_impl` picks the expert path ("sorted", "dense" or "capacity"). `fp8_experts`
+    stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
+    fp8="keep")` builds for an FP8 checkpoint).
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 dtype=None, moe_impl: str = "sorted"):
+                 dtype=None, moe_impl: str = "sorted", fp8_experts: bool = False):
         config.validate()
         self.config = config
         self.dtype = jnp.dtype(dtype or param_dtype)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.model = TextModel(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl)
+        self.model = TextModel(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
         else:

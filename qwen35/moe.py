@@ -68,6 +68,7 @@ __all__ = [
     "load_balancing_loss",
     "moe_flops",
     "SparseMoeBlock",
+    "fp8_dequantize",
     "IMPLS",
     "GROUPED_METHODS",
 ]
@@ -444,13 +445,48 @@ class TopKRouter(nnx.Module):
         self.weight = nnx.Param(init_normal(rngs, (num_experts, hidden), DEFAULT_INIT_STD, param_dtype))
 
 
-class Experts(nnx.Module):
-    """Fused expert weights in the HF layout: `gate_up_proj` [E, 2I, H] (rows gate then up), `down_proj` [E, H, I]."""
+FP8_BLOCK = 128  # the official FP8 release's block: one scale per 128 x 128 weights
 
-    def __init__(self, num_experts: int, hidden: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+
+def fp8_dequantize(w: jax.Array, scale_inv: jax.Array, dtype, block: int = FP8_BLOCK) -> jax.Array:
+    """Block-scaled FP8 -> `dtype`: w [..., R, C] float8, scale_inv [..., ceil(R/b), ceil(C/b)] float32;
+    result[..., r, c] = float(w[..., r, c]) · scale_inv[..., r // b, c // b] (the jnp twin of
+    `qwen35.weights.fp8_block_dequantize`). Elementwise, so on sharded experts it runs on each device's own."""
+    R, C = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block, axis=-2)[..., :R, :], block, axis=-1)[..., :C]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+class Experts(nnx.Module):
+    """Fused expert weights in the HF layout: `gate_up_proj` [E, 2I, H] (rows gate then up), `down_proj` [E, H, I].
+
+    With `fp8=True` both are float8_e4m3fn with the official release's 128x128 block scales beside them,
+    `gate_up_proj_scale_inv` [E, ceil(2I/128), ceil(H/128)] and `down_proj_scale_inv` [E, ceil(H/128),
+    ceil(I/128)] (float32): a quarter of float32's bytes, half of bfloat16's — how the 397B model's experts (720
+    GiB in bf16, 360 GiB in FP8) fit one serving host. `dequantized(dtype)` gives the weights the expert paths multiply with."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 fp8: bool = False):
         E, H, I = num_experts, hidden, width
+        self.fp8 = fp8
         self.gate_up_proj = nnx.Param(init_normal(rngs, (E, 2 * I, H), DEFAULT_INIT_STD, param_dtype))
         self.down_proj = nnx.Param(init_normal(rngs, (E, H, I), DEFAULT_INIT_STD, param_dtype))
+        if fp8:  # a random init quantised with unit scales (loading a checkpoint replaces both)
+            self.gate_up_proj = nnx.Param(self.gate_up_proj[...].astype(jnp.float8_e4m3fn))
+            self.down_proj = nnx.Param(self.down_proj[...].astype(jnp.float8_e4m3fn))
+            b = lambda n: -(-n // FP8_BLOCK)  # noqa: E731
+            self.gate_up_proj_scale_inv = nnx.Param(jnp.ones((E, b(2 * I), b(H)), jnp.float32))
+            self.down_proj_scale_inv = nnx.Param(jnp.ones((E, b(H), b(I)), jnp.float32))
+
+    def dequantized(self, dtype) -> tuple[jax.Array, jax.Array]:
+        """(gate_up, down) to multiply with: the stored arrays, or with `fp8` the block-dequantised ones in `dtype`
+        (inside a jitted forward, a transient copy of this layer's experts; a kernel that dequantises each tile
+        as it loads it would not need it)."""
+        gu, dn = self.gate_up_proj[...], self.down_proj[...]
+        if not self.fp8:
+            return gu, dn
+        return (fp8_dequantize(gu, self.gate_up_proj_scale_inv[...], dtype),
+                fp8_dequantize(dn, self.down_proj_scale_inv[...], dtype))
 
 
 class MLP(nnx.Module):
@@ -492,7 +528,7 @@ class SparseMoeBlock(nnx.Module):
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, impl: str = "sorted",
-                 capacity_factor: float | None = None, grouped_method: str = "auto"):
+                 capacity_factor: float | None = None, grouped_method: str = "auto", fp8_experts: bool = False):
         c = config
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -512,7 +548,8 @@ class SparseMoeBlock(nnx.Module):
         self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
         H = c.hidden_size
         self.gate = TopKRouter(c.num_experts, H, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(c.num_experts, H, c.moe_intermediate_size, rngs=rngs, param_dtype=param_dtype)
+        self.experts = Experts(c.num_experts, H, c.moe_intermediate_size, rngs=rngs, param_dtype=param_dtype,
+                               fp8=fp8_experts)
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(H, c.shared_expert_intermediate_size, rngs=rngs, param_dtype=param_dtype)
             self.shared_expert_gate = Linear(H, 1, rngs=rngs, param_dtype=param_dtype)
@@ -531,7 +568,7 @@ class SparseMoeBlock(nnx.Module):
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed-expert sum for x [N, H] with the configured path."""
-        gu, dn = self.experts.gate_up_proj[...], self.experts.down_proj[...]
+        gu, dn = self.experts.dequantized(x.dtype)
         if self.impl == "ep":
             from qwen35.sharding import moe_ep  # sharding imports this module
 

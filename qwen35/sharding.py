@@ -217,6 +217,8 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     ("mlp.gate.weight", (None, "hidden")),  # the router: every device routes its own tokens over all E
     ("mlp.experts.gate_up_proj", ("experts", "expert_mlp", None)),  # [E, 2I, H] (TP: rows regrouped first)
     ("mlp.experts.down_proj", ("experts", None, "expert_mlp")),  # [E, H, I]
+    ("mlp.experts.gate_up_proj_scale_inv", ("experts", None, None)),  # FP8 experts' 128x128 block scales
+    ("mlp.experts.down_proj_scale_inv", ("experts", None, None)),
     ("mlp.shared_expert.gate_proj.weight", ("mlp", "hidden")),
     ("mlp.shared_expert.up_proj.weight", ("mlp", "hidden")),
     ("mlp.shared_expert.down_proj.weight", ("hidden", "mlp")),
@@ -918,6 +920,9 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
                             f"rules_with(expert_mlp=('model',)))")
     rules_key = _rules_key(rules)
     m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
+    if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
+        raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "
+                            "follow; use expert parallelism, or load the checkpoint with fp8='dequantize'")
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = param_specs(params, mesh, rules)
 

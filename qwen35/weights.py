@@ -17,6 +17,8 @@ What the loader accepts (see /work/shared/MODEL.md, "The released checkpoint"):
     `<name>.weight_scale_inv` of shape [ceil(out/128), ceil(in/128)] (a leading [E] for fused experts), and
     w = fp8 * scale_inv over each block (the name is historical: DeepSeek-V3's `weight_dequant` and transformers'
     FineGrainedFP8 `Fp8Dequantize` both *multiply* by it). Partial edge blocks use the scale of their block.
+    Dequantised on load (`fp8="dequantize"`), or, with `fp8="keep"`, the routed experts stay FP8 with their
+    scales (fused to [E, 2I, H] / [E, H, I] beside [E, ...] scales) and are dequantised on use.
 
 How it loads (memory): the model is first built abstractly with `nnx.eval_shape` (shapes only, no arrays), then
 every expected tensor is checked against the safetensors headers (names, shapes, dtypes) BEFORE any data is read:
@@ -61,6 +63,7 @@ __all__ = [
     "read_safetensors_header",
     "fp8_block_dequantize",
     "fp8_block_quantize",
+    "quantize_experts_fp8",
     "FP8_BLOCK",
 ]
 
@@ -224,6 +227,29 @@ def fp8_block_quantize(w: np.ndarray, *, block: int = FP8_BLOCK) -> tuple[np.nda
     full = np.repeat(np.repeat(scale, block, axis=-2)[..., :R, :], block, axis=-1)[..., :C]
     q = np.clip(w / full, -fmax, fmax).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
+
+
+def quantize_experts_fp8(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
+    """A copy of `model` with its routed experts block-quantised to FP8 as the official release does it
+    (`fp8_block_quantize`: float8_e4m3fn + one float32 scale per 128x128 block), everything else shared as it
+    is. `save_hf_checkpoint` writes it in the official format: the way to make FP8 checkpoints to test and teach
+    with. The original is untouched."""
+    if any(layer.mlp.impl not in ("dense", "sorted", "capacity") for layer in model.model.layers):
+        raise ValueError("quantize_experts_fp8 takes an unsharded model (quantise first, then shard it)")
+    abstract = Qwen35ForCausalLM.abstract(model.config, param_dtype=model.model.embed_tokens.weight[...].dtype,
+                                          dtype=model.dtype, moe_impl=model.model.layers[0].mlp.impl,
+                                          fp8_experts=True)
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    dst = {".".join(map(str, path)): var for path, var in flat}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, value = ".".join(map(str, path)), var.get_value()
+        if name + _SCALE_SUFFIX in dst:
+            q, scale = fp8_block_quantize(np.asarray(jax.device_get(value), np.float32))
+            value = jnp.asarray(q)
+            dst[name + _SCALE_SUFFIX].set_value(jnp.asarray(scale))
+        dst[name].set_value(value)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -393,24 +419,25 @@ def load_hf_checkpoint(
       moe_impl: expert path ("sorted", "dense", "capacity"), as in `Qwen35ForCausalLM`.
       backend: overrides the config's `backend` ("xla" or "pallas").
       shardings: `(name, shape) -> jax.sharding.Sharding | None`, called per parameter with its HF name (e.g.
-        "model.layers.0.mlp.experts.gate_up_proj"); the tensor is `jax.device_put` there (None: default device).
-      fp8: "dequantize" (default) turns FP8 weights + block scales into `param_dtype` on load. This is a CPU
-        reference implementation: its matmuls are plain `einsum`s on dequantised weights, which is also what
-        the parity tests compare. Keeping the FP8 weights and their scales for the expert matmuls (half the
-        memory of bf16, the way the 397B model fits a serving node) is the serving path that the kernels /
-        serving work adds; "keep" raises NotImplementedError until then.
+        "model.layers.0.mlp.experts.gate_up_proj", and with fp8="keep" "...gate_up_proj_scale_inv"); the tensor
+        is `jax.device_put` there (None: default device).
+      fp8: "dequantize" (default) turns FP8 weights + block scales into `param_dtype` on load: every matmul is
+        then a plain one, which is also what the parity tests compare. "keep" keeps the routed experts of an FP8
+        checkpoint as float8_e4m3fn with their block scales (`qwen35.moe.Experts` with `fp8=True`), a quarter
+        of float32's bytes and half of bfloat16's: how the 397B model (720 GiB of experts in bf16) fits
+        one serving host. Everything else (attention, GDN, router, shared expert: 2.5% of the 397B model's weights) is
+        dequantised as with "dequantize". The experts are dequantised on use, layer by layer, inside the
+        jitted forward (`Experts.dequantized`), so logits equal the "dequantize" model's. A checkpoint whose
+        experts are not FP8 loads as with "dequantize". Per-expert FP8 tensors need moe_intermediate_size to
+        be a multiple of 128 (gate and up rows then fill whole scale blocks of the fused [E, 2I, H] tensor;
+        every released Qwen3.5 size is).
       progress: show a tqdm bar (default: only when stderr is a terminal).
 
     Raises `CheckpointError` (a ValueError) listing every missing, unexpected and mis-shaped tensor, before any
     tensor data is read. A `ConfigError` if config.json itself is invalid.
     """
-    if fp8 == "keep":
-        raise NotImplementedError(
-            "fp8='keep' (FP8 weights + 128x128 block scales kept for the expert matmuls) is the serving path the "
-            "kernels/serving work adds; this reference loader only supports fp8='dequantize'."
-        )
-    if fp8 != "dequantize":
-        raise ValueError(f"fp8 must be 'dequantize' (or 'keep', not implemented yet), got {fp8!r}")
+    if fp8 not in ("dequantize", "keep"):
+        raise ValueError(f"fp8 must be 'dequantize' or 'keep', got {fp8!r}")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint folder")
@@ -419,11 +446,15 @@ def load_hf_checkpoint(
     np_param_dtype = np.dtype(param_dtype)
 
     # 1. The model's shapes, without allocating anything.
-    abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl)
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    params = {".".join(str(p) for p in path_): var for path_, var in flat}
-    expected = {name: tuple(var.get_value().shape) for name, var in params.items()}
+    def build(fp8_experts: bool):
+        abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl,
+                                              fp8_experts=fp8_experts)
+        graphdef, state = nnx.split(abstract)
+        flat = nnx.to_flat_state(state)
+        params = {".".join(str(p) for p in path_): var for path_, var in flat}
+        return graphdef, flat, {name: tuple(var.get_value().shape) for name, var in params.items()}
+
+    graphdef, flat, expected = build(False)
 
     # 2. Validate against the headers: no data read yet.
     tensors = _checkpoint_tensors(path)
@@ -431,6 +462,9 @@ def load_hf_checkpoint(
     err = _plan_error(plan, path, config)
     if err is not None:
         raise err
+    keep = fp8 == "keep" and _fp8_experts(plan, path, config)
+    if keep:  # the model with FP8 experts: the same parameters plus the experts' scale tensors
+        graphdef, flat, expected = build(True)
 
     # 3. Stream: one parameter at a time, read -> convert -> place.
     reader = _Reader()
@@ -438,7 +472,16 @@ def load_hf_checkpoint(
     try:
         for name in _progress(expected, len(expected), f"loading {path.name}", progress):
             shape = expected[name]
+            if keep and name.endswith(_SCALE_SUFFIX):  # read with its weight, below
+                continue
             sources = plan.sources[name]
+            if keep and _EXPERT_PARAM.match(name):
+                host, scale = _read_fp8(reader, sources, shape, expected[name + _SCALE_SUFFIX])
+                for n, a in ((name, host), (name + _SCALE_SUFFIX, scale)):
+                    sharding = shardings(n, a.shape) if shardings is not None else None
+                    values[n] = jax.device_put(a, sharding) if sharding is not None else jax.device_put(a)
+                del host, scale
+                continue
             if len(sources) == 1 and sources[0].index is None:
                 host = _convert(reader, sources[0], np_param_dtype)
             else:  # per-expert tensors into a preallocated fused buffer
@@ -455,6 +498,49 @@ def load_hf_checkpoint(
     for path_, var in flat:
         var.set_value(values[".".join(str(p) for p in path_)])
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+_EXPERT_PARAM = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_SCALE_SUFFIX = "_scale_inv"
+
+
+def _fp8_experts(plan: _Plan, path: Path, config: Qwen35Config) -> bool:
+    """fp8="keep": whether the routed experts are FP8 (all of them: True; none: False, load as usual). Mixed
+    experts, another FP8 format, or per-expert gate/up rows that do not fill whole scale blocks: CheckpointError."""
+    srcs = [src for name, ss in plan.sources.items() if _EXPERT_PARAM.match(name) for src in ss]
+    fp8 = [src for src in srcs if src.scale is not None]
+    if not fp8:
+        return False
+    if len(fp8) != len(srcs):
+        raise CheckpointError(f"checkpoint {path}: {len(fp8)} of {len(srcs)} routed-expert tensors are FP8; "
+                              f"fp8='keep' needs all or none of them (load it with fp8='dequantize')")
+    other = sorted({src.info.dtype for src in fp8} - {"F8_E4M3"})
+    if other:
+        raise CheckpointError(f"checkpoint {path}: expert tensors in {other}; fp8='keep' keeps float8_e4m3fn "
+                              f"(F8_E4M3) only (load it with fp8='dequantize')")
+    if any(src.index is not None and len(src.index) == 2 for src in fp8) and config.moe_intermediate_size % FP8_BLOCK:
+        raise CheckpointError(
+            f"checkpoint {path}: per-expert FP8 gate/up tensors with moe_intermediate_size "
+            f"{config.moe_intermediate_size}, not a multiple of {FP8_BLOCK}: their scale blocks cannot be joined "
+            f"into the fused [E, 2I, H] layout; load it with fp8='dequantize'")
+    return True
+
+
+def _read_fp8(reader: _Reader, sources: list[_Source], shape, scale_shape) -> tuple[np.ndarray, np.ndarray]:
+    """An expert parameter kept in FP8: (weights float8_e4m3fn `shape`, scales float32 `scale_shape`), filled
+    from its sources (one fused tensor, or per-expert tensors and their scales)."""
+    w = np.empty(shape, ml_dtypes.float8_e4m3fn)
+    s = np.empty(scale_shape, np.float32)
+    for src in sources:
+        raw, sc = reader.get(src.info), np.asarray(reader.get(src.scale), np.float32)
+        if src.index is None or len(src.index) == 1:  # the whole tensor, or one expert's down_proj
+            idx = () if src.index is None else src.index
+            w[idx], s[idx] = raw, sc
+        else:  # gate or up rows of expert e: rows a..b fill scale rows a/128..b/128 (I % 128 == 0, checked)
+            e, rows = src.index
+            w[e, rows] = raw
+            s[e, rows.start // FP8_BLOCK: rows.start // FP8_BLOCK + sc.shape[0]] = sc
+    return w, s
 
 
 def _convert(reader: _Reader, src: _Source, dtype: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
@@ -475,29 +561,46 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def _save_items(model: Qwen35ForCausalLM, expert_layout: str):
-    """(name, shape, np dtype, producer) for every tensor to write, in the HF order; producers fetch lazily."""
+def _save_items(model: Qwen35ForCausalLM, expert_layout: str, dequantize_fp8: bool = False):
+    """(name, shape, np dtype, producer) for every tensor to write, in the HF order; producers fetch lazily.
+
+    FP8 experts (`Experts.fp8`) are written as FP8 weights + their `_scale_inv` blocks (per expert: gate rows,
+    then up rows, of the fused scales), or dequantised to float32 with `dequantize_fp8`."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    for path_, var in flat:
-        name = ".".join(str(p) for p in path_)
-        value = var.get_value()
-        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+    values = {".".join(str(p) for p in path_): var.get_value() for path_, var in flat}
+    for name, value in values.items():
+        if name.endswith(_SCALE_SUFFIX):  # written with its weight
+            continue
+        m = _EXPERT_PARAM.match(name)
+        scale = values.get(name + _SCALE_SUFFIX) if m else None
+        if scale is not None and dequantize_fp8:
+            from qwen35.moe import fp8_dequantize
+
+            value, scale = np.asarray(fp8_dequantize(value, scale, jnp.float32)), None
         if m and expert_layout == "per_expert":
-            prefix, which = m.groups()
+            prefix = name.rsplit(".", 1)[0]
             E = value.shape[0]
-            if which == "gate_up_proj":
+            if m.group(1) == "gate_up_proj":
                 I = value.shape[1] // 2
-                for e in range(E):
-                    yield (f"{prefix}.{e}.gate_proj.weight", (I, value.shape[2]), value.dtype,
-                           lambda v=value, e=e, I=I: _to_numpy(v[e, :I]))
-                    yield (f"{prefix}.{e}.up_proj.weight", (I, value.shape[2]), value.dtype,
-                           lambda v=value, e=e, I=I: _to_numpy(v[e, I:]))
+                parts = (("gate_proj", slice(0, I)), ("up_proj", slice(I, 2 * I)))
             else:
-                for e in range(E):
-                    yield (f"{prefix}.{e}.down_proj.weight", tuple(value.shape[1:]), value.dtype,
-                           lambda v=value, e=e: _to_numpy(v[e]))
+                parts = (("down_proj", slice(None)),)
+            for e in range(E):
+                for proj, rows in parts:
+                    w = f"{prefix}.{e}.{proj}.weight"
+                    shape = tuple(value.shape[1:]) if rows.start is None else (rows.stop - rows.start, value.shape[2])
+                    yield w, shape, value.dtype, lambda v=value, e=e, r=rows: _to_numpy(v[e, r])
+                    if scale is not None:  # I % 128 == 0 (a loaded FP8 model), so gate/up own whole scale rows
+                        if rows.start is None:
+                            sr, sshape = rows, tuple(scale.shape[1:])
+                        else:
+                            sr = slice(rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK))
+                            sshape = (sr.stop - sr.start, scale.shape[2])
+                        yield w + _SCALE_SUFFIX, sshape, scale.dtype, lambda s=scale, e=e, r=sr: _to_numpy(s[e, r])
         else:
             yield name, tuple(value.shape), value.dtype, lambda v=value: _to_numpy(v)
+            if scale is not None:
+                yield name + _SCALE_SUFFIX, tuple(scale.shape), scale.dtype, lambda s=scale: _to_numpy(s)
 
 
 def _write_safetensors(file: Path, items: list[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]]):
@@ -535,7 +638,9 @@ def save_hf_checkpoint(
 
     expert_layout: "fused" (`mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, the in-memory layout
       of transformers 5) or "per_expert" (`mlp.experts.{e}.gate_proj.weight` ..., what transformers' own
-      `save_pretrained` writes). dtype: cast every tensor (e.g. jnp.bfloat16); default: keep the model's.
+      `save_pretrained` writes). dtype: cast every tensor (e.g. jnp.bfloat16; FP8 experts are dequantised
+      first); default: keep the model's (FP8 experts stay FP8 with their `_scale_inv` blocks, the official
+      format, which `load_hf_checkpoint` reads back with either `fp8` mode).
     max_shard_size_bytes: split into `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` when
       the weights are larger (a single tensor larger than the limit gets a shard of its own).
     Tensors are fetched from the device one at a time as they are written. Returns the folder.
@@ -546,7 +651,7 @@ def save_hf_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     out_dt = None if dtype is None else np.dtype(jnp.dtype(dtype))
     items = []
-    for name, shape, dt, produce in _save_items(model, expert_layout):
+    for name, shape, dt, produce in _save_items(model, expert_layout, dequantize_fp8=out_dt is not None):
         dt = np.dtype(dt) if out_dt is None else out_dt
         if dt not in _NP_TO_ST:
             raise ValueError(f"cannot write {name} as {dt} in safetensors")

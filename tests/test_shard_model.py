@@ -96,6 +96,44 @@ def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and
         S.checkpoint_shardings(S.make_mesh(model=8), S.rules_with(expert_mlp=("model",)))
 
 
+def test_load_sharded_keeps_fp8_experts_on_the_mesh(tiny_model_and_reference, tmp_path):
+    """An FP8 checkpoint loaded with fp8="keep" straight onto the mesh: FP8 experts and their block scales both
+    E/8 per device, logits equal to the same checkpoint loaded unsharded and dequantised; TP-MoE is refused."""
+    import ml_dtypes
+
+    import qwen35
+    from qwen35.weights import quantize_experts_fp8
+
+    model, ids, _ = tiny_model_and_reference
+    fp8 = quantize_experts_fp8(model)  # the experts as float8 + 128x128 block scales, the rest as it is
+    qwen35.save_hf_checkpoint(fp8, tmp_path)  # fused FP8 experts + scales
+
+    mesh = S.make_mesh(expert=8)
+    smodel = S.load_sharded(tmp_path, mesh, fp8="keep", progress=False)
+    ex = smodel.model.layers[0].mlp.experts
+    for arr in (ex.gate_up_proj[...], ex.down_proj_scale_inv[...]):
+        assert arr.sharding.spec == P("expert", None, None)
+        assert arr.addressable_shards[0].data.shape[0] == model.config.num_experts // 8
+    assert ex.gate_up_proj[...].dtype == ml_dtypes.float8_e4m3fn
+    ref_model = qwen35.load_hf_checkpoint(tmp_path, progress=False)  # unsharded, dequantised on load
+    cache, rcache = smodel.init_cache(8, 16), ref_model.init_cache(8, 16)
+    for step, sl in enumerate((slice(0, 7), slice(7, 8))):
+        logits, cache = smodel(ids[:, sl], cache=cache)
+        want, rcache = ref_model(ids[:, sl], cache=rcache)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=2e-5, rtol=0, err_msg=f"step {step}")
+    # the CLI serves it the same way (`--fp8 keep`, the default on an accelerator)
+    from qwen35.__main__ import main
+
+    want = np.asarray(qwen35.generate(ref_model, np.asarray([list(b"Hi FP8")]), 4))[0].tolist()
+    out = tmp_path / "out.json"
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi FP8", "--max-tokens", "4",
+                 "--max-num-batched-tokens", "16", "--expert-parallel", "8", "--fp8", "keep", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["token_ids"] == want
+    kept = qwen35.load_hf_checkpoint(tmp_path, fp8="keep", progress=False)
+    with pytest.raises(S.ShardingError, match="FP8"):
+        S.shard_model(kept, S.make_mesh(expert=4, model=2), rules=S.rules_with(expert_mlp=("model",)))
+
+
 TP_LAYOUTS = {
     # TP attention (heads, vocab, shared expert over "model") + the EP x TP-MoE hybrid (each expert's width over
     # "model", experts over "expert")

@@ -166,10 +166,10 @@ def test_fp8_block_checkpoint_dequantises_like_the_reference(ref, tmp_path):
     assert np.mean(np.abs(lg - ref["logits"])) < 0.1 * np.mean(np.abs(ref["logits"]))
 
 
-def test_fp8_fused_experts_with_stacked_scales(ref, tmp_path):
-    """Fused [E, 2I, H] fp8 experts carry [E, ceil(2I/128), ceil(H/128)] scales."""
-    deq, _ = write_fp8(ref["path"], tmp_path / "fp8")
-    sd = load_file(ref["path"] / "model.safetensors")
+def write_fused_fp8(src: Path, d: Path) -> dict[str, np.ndarray]:
+    """The experts of a per-expert fp32 checkpoint fused to [E, 2I, H] / [E, H, I] and quantised per expert into
+    fp8 + [E, ceil(R/128), ceil(C/128)] scales (everything else as it is); returns the naive dequantised experts."""
+    sd = load_file(src / "model.safetensors")
     out, experts = {}, {}
     for k, v in sd.items():
         f = fuse(k)
@@ -186,20 +186,93 @@ def test_fp8_fused_experts_with_stacked_scales(ref, tmp_path):
             qs = [quantize_blocks(w[e]) for e in range(E)]
             out[name] = torch.stack([q for q, _ in qs])
             out[name + "_scale_inv"] = torch.from_numpy(np.stack([s for _, s in qs]))
+            assert out[name + "_scale_inv"].shape[1:] == (-(-w.shape[1] // B), -(-w.shape[2] // B))
             want[name] = np.stack([dequant_reference(q, s) for q, s in qs])
-    d = tmp_path / "fused_fp8"
     d.mkdir()
-    shutil.copy(ref["path"] / "config.json", d / "config.json")
+    shutil.copy(src / "config.json", d / "config.json")
     torch_save_file(out, d / "model.safetensors", metadata={"format": "pt"})
-    got = params(qwen35.load_hf_checkpoint(d, progress=False))
+    return want
+
+
+def test_fp8_fused_experts_with_stacked_scales(ref, tmp_path):
+    """Fused [E, 2I, H] fp8 experts carry [E, ceil(2I/128), ceil(H/128)] scales."""
+    want = write_fused_fp8(ref["path"], tmp_path / "fused_fp8")
+    got = params(qwen35.load_hf_checkpoint(tmp_path / "fused_fp8", progress=False))
     for name, w in want.items():
-        assert out[name + "_scale_inv"].shape[1:] == (-(-w.shape[1] // B), -(-w.shape[2] // B))
         np.testing.assert_allclose(got[name], w, rtol=1e-7, atol=0, err_msg=name)
 
 
-def test_fp8_keep_is_not_implemented_yet(ref):
-    with pytest.raises(NotImplementedError, match="serving"):
-        qwen35.load_hf_checkpoint(ref["path"], fp8="keep")
+def expert_arrays(model, layer=0):
+    ex = model.model.layers[layer].mlp.experts
+    return {n: np.asarray(getattr(ex, n)[...]) for n in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv",
+                                                          "down_proj_scale_inv") if hasattr(ex, n)}
+
+
+def test_fp8_keep_fused_experts_stay_fp8_and_give_the_dequantised_logits(ref, tmp_path):
+    """fp8="keep" keeps the routed experts as float8_e4m3fn + float32 block scales (a quarter of the fp32 bytes;
+    partial 128-blocks, as I = 132 here) and dequantises them on use: prefill and cached-decode logits equal
+    those of the same checkpoint loaded with fp8="dequantize"; everything else is loaded as before."""
+    want = write_fused_fp8(ref["path"], tmp_path / "fused_fp8")
+    kept = qwen35.load_hf_checkpoint(tmp_path / "fused_fp8", fp8="keep", progress=False)
+    deq = qwen35.load_hf_checkpoint(tmp_path / "fused_fp8", progress=False)
+    ex = expert_arrays(kept)
+    assert ex["gate_up_proj"].dtype == ml_dtypes.float8_e4m3fn and ex["down_proj"].dtype == ml_dtypes.float8_e4m3fn
+    cfg = ref["cfg"]
+    E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    assert ex["gate_up_proj_scale_inv"].shape == (E, -(-2 * I // B), -(-H // B))
+    assert ex["down_proj_scale_inv"].shape == (E, -(-H // B), -(-I // B))
+    assert ex["gate_up_proj"].nbytes * 4 == np.asarray(deq.model.layers[0].mlp.experts.gate_up_proj[...]).nbytes
+    np.testing.assert_allclose(  # the model's own dequantisation is the test's naive one
+        np.asarray(qwen35.moe.fp8_dequantize(ex["gate_up_proj"], ex["gate_up_proj_scale_inv"], jnp.float32)),
+        want["model.layers.0.mlp.experts.gate_up_proj"], rtol=1e-7, atol=0)
+    pk, pd = params(kept), params(deq)
+    for name in pd:
+        if ".mlp.experts." not in name:
+            np.testing.assert_array_equal(pk[name], pd[name], err_msg=name)
+    ids = ref["ids"]
+    ck, cd = kept.init_cache(2, 20), deq.init_cache(2, 20)
+    for sl in (slice(0, 15), slice(15, 16)):  # prefill, then one cached decode step
+        lk, ck = kept(ids[:, sl], cache=ck)
+        ld, cd = deq(ids[:, sl], cache=cd)
+        np.testing.assert_allclose(np.asarray(lk), np.asarray(ld), atol=1e-5, rtol=0)
+    # a checkpoint without FP8 experts loads as with "dequantize"
+    plain = qwen35.load_hf_checkpoint(ref["path"], fp8="keep", progress=False)
+    assert expert_arrays(plain)["gate_up_proj"].dtype == np.float32
+
+
+def test_fp8_keep_per_expert_round_trips_through_save(tmp_path):
+    """The official per-expert layout kept in FP8 (I = 256: gate and up fill whole scale blocks): the same logits
+    and greedy tokens as the dequantised load; `save_hf_checkpoint` writes FP8 + scales back (fused or per expert)
+    bit for bit, or dequantised with `dtype`."""
+    cfg = small_config().replace(moe_intermediate_size=256)
+    model = random_model(cfg, seed=1)
+    src = qwen35.save_hf_checkpoint(model, tmp_path / "fp32", expert_layout="per_expert")
+    write_fp8(src, tmp_path / "fp8")
+    kept = qwen35.load_hf_checkpoint(tmp_path / "fp8", fp8="keep", progress=False)
+    deq = qwen35.load_hf_checkpoint(tmp_path / "fp8", progress=False)
+    assert expert_arrays(kept)["gate_up_proj"].dtype == ml_dtypes.float8_e4m3fn
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9))
+    np.testing.assert_allclose(np.asarray(kept(ids)[0]), np.asarray(deq(ids)[0]), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(qwen35.generate(kept, ids, 4), qwen35.generate(deq, ids, 4))
+    ex = expert_arrays(kept)
+    for layout in ("fused", "per_expert"):
+        again = qwen35.load_hf_checkpoint(qwen35.save_hf_checkpoint(kept, tmp_path / layout, expert_layout=layout),
+                                          fp8="keep", progress=False)
+        for name, a in expert_arrays(again).items():
+            np.testing.assert_array_equal(a.view(np.uint8) if a.dtype.itemsize == 1 else a,
+                                          ex[name].view(np.uint8) if a.dtype.itemsize == 1 else ex[name],
+                                          err_msg=f"{layout}: {name}")
+    flat = qwen35.load_hf_checkpoint(qwen35.save_hf_checkpoint(kept, tmp_path / "f32", dtype=jnp.float32),
+                                     progress=False)
+    np.testing.assert_array_equal(expert_arrays(flat)["down_proj"], expert_arrays(deq)["down_proj"])
+
+
+def test_fp8_keep_refuses_what_it_cannot_keep(ref, tmp_path):
+    """Per-expert FP8 gate/up rows that do not fill whole scale blocks (I = 132) cannot be fused with their scales:
+    a clear error naming the fix; an unknown mode is a ValueError."""
+    write_fp8(ref["path"], tmp_path / "fp8")
+    with pytest.raises(CheckpointError, match="multiple of 128.*fp8='dequantize'"):
+        qwen35.load_hf_checkpoint(tmp_path / "fp8", fp8="keep", progress=False)
     with pytest.raises(ValueError, match="fp8"):
         qwen35.load_hf_checkpoint(ref["path"], fp8="fp4")
 
