@@ -20,8 +20,11 @@ right; `qwen35.moe.grouped_swiglu` is the package's fast XLA path). `grouped_swi
 Empty groups produce no visits; the visit list has a static bound (row tiles + E - 1) and the unused tail
 repeats the last visit with its compute skipped. Inputs may be bf16; products accumulate in fp32.
 
-FP8 block-scaled expert weights are not handled: the checkpoint loader (`qwen35.weights`) dequantises FP8 to
-bf16/fp32 on load, so the kernel only ever sees bf16/fp32 weights.
+FP8 block-scaled expert weights are not handled in the kernel: the loader either dequantises them on load, or
+(`fp8="keep"`) the model keeps them FP8 and dequantises a layer's experts just before the call
+(`qwen35.moe.Experts.dequantized`), so the kernel only ever sees bf16/fp32 weights. Dequantising each weight tile
+in VMEM as it is loaded (scales pre-expanded per output row) is the next step for FP8 decode speed: the
+per-layer dequantisation reads and writes every local expert every step.
 """
 
 from __future__ import annotations
