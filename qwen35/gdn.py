@@ -169,8 +169,10 @@ def _chunk_block(q, k, v, g, beta, S, C):
     G = jnp.cumsum(g, axis=-1)  # [m, B, H, C]: log of the decay from the chunk start to position i
     G_last = G[..., -1:]
     lower = jnp.tril(jnp.ones((C, C), bool))  # j <= i
-    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
-    decay = jnp.exp(jnp.where(lower, G[..., :, None] - G[..., None, :], -jnp.inf))  # [m, B, H, C, C]
+    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows (the min
+    # caps the positive differences above it, which the mask then zeroes). exp-then-mask is a plain elementwise
+    # fusion, about 2x faster on CPU at one chunk of a short prompt than exp of a select (69 -> 32 µs).
+    decay = jnp.exp(jnp.minimum(G[..., :, None] - G[..., None, :], 0.0)) * lower  # [m, B, H, C, C]
     kT = jnp.swapaxes(k, -1, -2)  # [m, B, H, Dk, C]: both products below are plain (M×K)·(K×N) GEMMs
     kb = k * beta[..., None]
     A = jnp.where(jnp.tril(lower, -1), (kb @ kT) * decay, 0.0)  # strictly lower
