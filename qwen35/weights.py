@@ -640,7 +640,8 @@ def save_hf_checkpoint(
       of transformers 5) or "per_expert" (`mlp.experts.{e}.gate_proj.weight` ..., what transformers' own
       `save_pretrained` writes). dtype: cast every tensor (e.g. jnp.bfloat16; FP8 experts are dequantised
       first); default: keep the model's (FP8 experts stay FP8 with their `_scale_inv` blocks, the official
-      format, which `load_hf_checkpoint` reads back with either `fp8` mode).
+      format, which `load_hf_checkpoint` reads back with either `fp8` mode; config.json gets no
+      `quantization_config`, so transformers would not dequantise them: save with a `dtype` for transformers).
     max_shard_size_bytes: split into `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json` when
       the weights are larger (a single tensor larger than the limit gets a shard of its own).
     Tensors are fetched from the device one at a time as they are written. Returns the folder.
