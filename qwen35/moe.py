@@ -463,7 +463,8 @@ class Experts(nnx.Module):
     With `fp8=True` both are float8_e4m3fn with the official release's 128x128 block scales beside them,
     `gate_up_proj_scale_inv` [E, ceil(2I/128), ceil(H/128)] and `down_proj_scale_inv` [E, ceil(H/128),
     ceil(I/128)] (float32): a quarter of float32's bytes, half of bfloat16's — how the 397B model's experts (720
-    GiB in bf16, 360 GiB in FP8) fit one serving host. `dequantized(dtype)` gives the weights the expert paths multiply with."""
+    GiB in bf16, 360 GiB in FP8) fit one serving host. `dequantized(dtype)` gives the weights the expert paths
+    multiply with."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
                  fp8: bool = False):

@@ -582,6 +582,11 @@ def _save_items(model: Qwen35ForCausalLM, expert_layout: str, dequantize_fp8: bo
             E = value.shape[0]
             if m.group(1) == "gate_up_proj":
                 I = value.shape[1] // 2
+                if scale is not None and I % FP8_BLOCK:
+                    raise ValueError(
+                        f"{name}: FP8 experts with moe_intermediate_size {I}, not a multiple of {FP8_BLOCK}, "
+                        f"share scale blocks between gate and up rows, which per-expert tensors cannot express; "
+                        f"save with expert_layout='fused', or dequantised with dtype=")
                 parts = (("gate_proj", slice(0, I)), ("up_proj", slice(I, 2 * I)))
             else:
                 parts = (("down_proj", slice(None)),)
