@@ -20,11 +20,13 @@ right; `qwen35.moe.grouped_swiglu` is the package's fast XLA path). `grouped_swi
 Empty groups produce no visits; the visit list has a static bound (row tiles + E - 1) and the unused tail
 repeats the last visit with its compute skipped. Inputs may be bf16; products accumulate in fp32.
 
-FP8 block-scaled expert weights are not handled in the kernel: the loader either dequantises them on load, or
-(`fp8="keep"`) the model keeps them FP8 and dequantises a layer's experts just before the call
-(`qwen35.moe.Experts.dequantized`), so the kernel only ever sees bf16/fp32 weights. Dequantising each weight tile
-in VMEM as it is loaded (scales pre-expanded per output row) is the next step for FP8 decode speed: the
-per-layer dequantisation reads and writes every local expert every step.
+FP8 experts (the official release's float8_e4m3fn weights with one scale per 128×128 block; `fp8="keep"` in the
+loader): pass `gate_up_scale` / `down_scale` and the kernels read the FP8 weights as they are — one byte per weight
+from HBM, half of bf16's — and convert each [t, 128] weight tile to x's dtype in VMEM (exact: e4m3 fits in bf16).
+The contraction then runs in steps of one 128-wide scale block, so a step's partial product [tm, t] needs only
+one scale per output column: Σ_k x_k·(q_jk·s_j,kb) = s_j,kb·Σ_k x_k·q_jk. `expand_fp8_scales` lays the block
+scales out as [E, K/128, 1, N] (each block's scale repeated over its 128 output rows, 1/32 of the FP8 bytes) so a
+step reads its (1, t) row of them with an ordinary BlockSpec.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ from jax.experimental.pallas import tpu as pltpu
 from qwen35.kernels.ragged_paged_attention import default_interpret
 
 __all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
-           "group_metadata", "gmm_cost"]
+           "group_metadata", "gmm_cost", "expand_fp8_scales"]
+
+FP8_BLOCK = 128
 
 
 def _check(x_sorted, group_sizes, gate_up, down):
@@ -138,6 +142,61 @@ def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, o_ref,
             o_ref[...] = jnp.where(mask, acc[...].astype(o_ref.dtype), o_ref[...])
 
 
+def _gmm_swiglu_fp8_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, sg_ref, su_ref, o_ref,
+                           acc_g, acc_u):
+    """`_gmm_swiglu_kernel` on FP8 weight tiles [ti, 128] with their per-column scales [1, ti]."""
+    v, k = pl.program_id(1), pl.program_id(2)
+    tm = x_ref.shape[0]
+
+    @pl.when(v < nvis_ref[0])
+    def _visit():
+        @pl.when(k == 0)
+        def _init():
+            acc_g[...] = jnp.zeros(acc_g.shape, jnp.float32)
+            acc_u[...] = jnp.zeros(acc_u.shape, jnp.float32)
+
+        x = x_ref[...]
+        nt = (((1,), (1,)), ((), ()))
+        g, u = g_ref[...].astype(x.dtype), u_ref[...].astype(x.dtype)     # FP8 -> x's dtype in VMEM (exact)
+        acc_g[...] += jax.lax.dot_general(x, g, nt, preferred_element_type=jnp.float32) * sg_ref[...]
+        acc_u[...] += jax.lax.dot_general(x, u, nt, preferred_element_type=jnp.float32) * su_ref[...]
+
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _write():
+            a = (jax.nn.silu(acc_g[...]) * acc_u[...]).astype(o_ref.dtype)
+            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
+            o_ref[...] = jnp.where(mask, a, o_ref[...])
+
+
+def _gmm_fp8_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, s_ref, o_ref, acc):
+    """`_gmm_kernel` on FP8 weight tiles [tn, 128] with their per-column scales [1, tn]."""
+    v, k = pl.program_id(1), pl.program_id(2)
+    tm = x_ref.shape[0]
+
+    @pl.when(v < nvis_ref[0])
+    def _visit():
+        @pl.when(k == 0)
+        def _init():
+            acc[...] = jnp.zeros(acc.shape, jnp.float32)
+
+        x = x_ref[...]
+        acc[...] += jax.lax.dot_general(x, w_ref[...].astype(x.dtype), (((1,), (1,)), ((), ())),
+                                        preferred_element_type=jnp.float32) * s_ref[...]
+
+        @pl.when(k == pl.num_programs(2) - 1)
+        def _write():
+            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
+            o_ref[...] = jnp.where(mask, acc[...].astype(o_ref.dtype), o_ref[...])
+
+
+def expand_fp8_scales(scale_inv, rows: int) -> jax.Array:
+    """Block scales [E, ceil(N/128), ceil(K/128)] of an FP8 weight [E, N, K] -> [E, ceil(K/128), 1, N] float32: for
+    each 128-wide block of the contracted K, the scale of every output row (its block's, repeated). The FP8
+    kernels read the (1, t) row of the current K block."""
+    s = jnp.repeat(scale_inv.astype(jnp.float32), FP8_BLOCK, axis=1)[:, :rows, :]  # [E, N, Kb]
+    return jnp.swapaxes(s, 1, 2)[:, :, None, :]
+
+
 def _tiles(name, size, t):
     """The tile for a dimension: t if it divides size, else the largest multiple of 128 below t that does, else
     the whole dimension (always legal on TPU: a block equal to the array's dimension)."""
@@ -157,13 +216,34 @@ def _params(interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "ti", "tk", "interpret"))
-def gmm_swiglu(x_padded, meta, gate_up, *, tm, ti, tk, interpret):
-    """x_padded [Mp, H] (Mp a multiple of tm) -> silu(x G_eᵀ) ⊙ (x U_eᵀ) [Mp, I] per row's expert."""
+def gmm_swiglu(x_padded, meta, gate_up, scales=None, *, tm, ti, tk, interpret):
+    """x_padded [Mp, H] (Mp a multiple of tm) -> silu(x G_eᵀ) ⊙ (x U_eᵀ) [Mp, I] per row's expert. With `scales`
+    (`expand_fp8_scales` of gate_up's, [E, H/128, 1, 2I]) gate_up is FP8 and tk must be 128."""
     Mp, H = x_padded.shape
     E, I2, _ = gate_up.shape
     I = I2 // 2
     V = meta[1].shape[0]
     nI = I // ti
+    if scales is not None:
+        assert tk == FP8_BLOCK, tk
+        return pl.pallas_call(
+            _gmm_swiglu_fp8_kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4,
+                grid=(nI, V, H // tk),
+                in_specs=[
+                    pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+                    pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),       # gate
+                    pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n + nI, k)),  # up
+                    pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
+                    pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n + nI)),
+                ],
+                out_specs=pl.BlockSpec((tm, ti), lambda n, v, k, off, grp, til, nv: (til[v], n)),
+                scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32), pltpu.VMEM((tm, ti), jnp.float32)],
+            ),
+            out_shape=jax.ShapeDtypeStruct((Mp, I), x_padded.dtype),
+            **_params(interpret),
+        )(*meta, x_padded, gate_up, gate_up, scales, scales)
     return pl.pallas_call(
         _gmm_swiglu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -183,11 +263,30 @@ def gmm_swiglu(x_padded, meta, gate_up, *, tm, ti, tk, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret"))
-def gmm(a_padded, meta, w, *, tm, tn, tk, interpret):
-    """a_padded [Mp, K] x w [E, N, K] (each row by its expert's w_e, contracting K) -> [Mp, N]."""
+def gmm(a_padded, meta, w, scales=None, *, tm, tn, tk, interpret):
+    """a_padded [Mp, K] x w [E, N, K] (each row by its expert's w_e, contracting K) -> [Mp, N]. With `scales`
+    (`expand_fp8_scales` of w's, [E, K/128, 1, N]) w is FP8 and tk must be 128."""
     Mp, K = a_padded.shape
     E, N, _ = w.shape
     V = meta[1].shape[0]
+    if scales is not None:
+        assert tk == FP8_BLOCK, tk
+        return pl.pallas_call(
+            _gmm_fp8_kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4,
+                grid=(N // tn, V, K // tk),
+                in_specs=[
+                    pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+                    pl.BlockSpec((None, tn, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),
+                    pl.BlockSpec((None, None, 1, tn), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
+                ],
+                out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, off, grp, til, nv: (til[v], n)),
+                scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+            ),
+            out_shape=jax.ShapeDtypeStruct((Mp, N), a_padded.dtype),
+            **_params(interpret),
+        )(*meta, a_padded, w, scales)
     return pl.pallas_call(
         _gmm_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -206,13 +305,17 @@ def gmm(a_padded, meta, w, *, tm, tn, tk, interpret):
 
 
 def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: int | None = 512,
-                   th: int | None = 512, interpret=None) -> jax.Array:
+                   th: int | None = 512, gate_up_scale=None, down_scale=None, interpret=None) -> jax.Array:
     """Pallas grouped SwiGLU: same arguments and result as `grouped_swiglu_reference` (and
     `qwen35.moe.grouped_swiglu`). x_sorted [M, H], group_sizes [E], gate_up [E, 2I, H], down [E, H, I] -> [M, H].
 
     tm: rows per tile (a multiple of 8; capped at M rounded up to 8); ti: tile of the expert width I; th: tile of
     the hidden size H (None = the whole dimension; a tile that does not divide its dimension is lowered to one
     that does). Weights are cast to x's dtype.
+
+    FP8 experts: gate_up and down float8_e4m3fn with their 128x128 block scales `gate_up_scale` [E, 2I/128,
+    H/128] and `down_scale` [E, H/128, I/128] (both or neither); the result is that of the dequantised weights.
+    H and I must be multiples of 128; the contraction runs in 128-wide steps (th then tiles only the output).
     """
     x_sorted, group_sizes, gate_up, down = (jnp.asarray(t) for t in (x_sorted, group_sizes, gate_up, down))
     E, H, I = _check(x_sorted, group_sizes, gate_up, down)
@@ -223,6 +326,18 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     M = x_sorted.shape[0]
     if M == 0:
         return jnp.zeros_like(x_sorted)
+    fp8 = gate_up_scale is not None
+    if fp8 != (down_scale is not None):
+        raise ValueError("pass both gate_up_scale and down_scale (FP8 experts) or neither")
+    if fp8:
+        if H % FP8_BLOCK or I % FP8_BLOCK:
+            raise ValueError(f"the FP8 kernels need H and I to be multiples of {FP8_BLOCK}, got H={H}, I={I}; "
+                             f"dequantise the experts instead (qwen35.moe.Experts.dequantized)")
+        b = FP8_BLOCK
+        for name, sc, want in (("gate_up_scale", gate_up_scale, (E, 2 * I // b, H // b)),
+                               ("down_scale", down_scale, (E, H // b, I // b))):
+            if tuple(sc.shape) != want:
+                raise ValueError(f"{name} must be [E, rows/128, cols/128] = {want}, got {tuple(sc.shape)}")
     tm = min(tm, -(-M // 8) * 8)
     ti, th = _tiles("ti", I, ti), _tiles("th", H, th)
     interpret = default_interpret(interpret)
@@ -230,6 +345,11 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     Mp = -(-M // tm) * tm
     meta = group_metadata(group_sizes, M, tm)
     x_p = jnp.pad(x_sorted, ((0, Mp - M), (0, 0)))
+    if fp8:  # FP8 tiles straight from HBM, converted in VMEM; contraction in 128-wide scale blocks
+        a = gmm_swiglu(x_p, meta, gate_up, expand_fp8_scales(gate_up_scale, 2 * I), tm=tm, ti=ti, tk=FP8_BLOCK,
+                       interpret=interpret)
+        y = gmm(a, meta, down, expand_fp8_scales(down_scale, H), tm=tm, tn=th, tk=FP8_BLOCK, interpret=interpret)
+        return y[:M]
     a = gmm_swiglu(x_p, meta, gate_up.astype(dtype), tm=tm, ti=ti, tk=th, interpret=interpret)
     y = gmm(a, meta, down.astype(dtype), tm=tm, tn=th, tk=ti, interpret=interpret)
     return y[:M]
@@ -245,10 +365,12 @@ def gmm_cost(M: int, H: int, I: int, E_used: int, dtype_bytes: int = 2) -> dict:
 
 
 def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, ti: int | None = 512,
-                          th: int | None = 512, block_rows: int = 8, interpret=None) -> jax.Array:
+                          th: int | None = 512, block_rows: int = 8, gate_up_scale=None, down_scale=None,
+                          interpret=None) -> jax.Array:
     """`qwen35.moe.experts_sorted` on the kernels: sort the N·k slots by expert, permute (row-gather kernel),
-    grouped SwiGLU (the two gmm kernels), weighted unpermute (gather-combine kernel). x [N, H], weights [N, k],
-    experts [N, k] -> [N, H] in x's dtype. The model's MoE uses it when `config.backend == "pallas"`."""
+    grouped SwiGLU (the two gmm kernels; FP8 experts with their block scales, see `grouped_swiglu`), weighted
+    unpermute (gather-combine kernel). x [N, H], weights [N, k], experts [N, k] -> [N, H] in x's dtype. The
+    model's MoE uses it when `config.backend == "pallas"`."""
     from qwen35.kernels.permute import permute, unpermute
     from qwen35.moe import _check_routed, sort_by_expert
 
@@ -257,5 +379,6 @@ def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, 
     N, k = experts.shape
     order, group_sizes = sort_by_expert(experts, gate_up.shape[0])
     x_sorted = permute(x, order, k, block_rows=block_rows, interpret=interpret)
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, tm=tm, ti=ti, th=th, interpret=interpret)
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, tm=tm, ti=ti, th=th, gate_up_scale=gate_up_scale,
+                              down_scale=down_scale, interpret=interpret)
     return unpermute(y_sorted, order, weights.astype(x.dtype), block_rows=block_rows, interpret=interpret)

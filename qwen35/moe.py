@@ -481,8 +481,9 @@ class Experts(nnx.Module):
 
     def dequantized(self, dtype) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) to multiply with: the stored arrays, or with `fp8` the block-dequantised ones in `dtype`
-        (inside a jitted forward, a transient copy of this layer's experts; a kernel that dequantises each tile
-        as it loads it would not need it)."""
+        (inside a jitted forward, a transient copy of this layer's experts). The unsharded Pallas path skips it:
+        its kernels read the FP8 tiles and scales themselves (`qwen35.kernels.grouped_matmul`); the XLA paths and
+        the expert-parallel `moe_ep` use it."""
         gu, dn = self.gate_up_proj[...], self.down_proj[...]
         if not self.fp8:
             return gu, dn
@@ -523,8 +524,9 @@ class SparseMoeBlock(nnx.Module):
     the same sum with the used experts' weights gathered, and a batch whose dense work N·E·3IH is at most
     `DENSE_MAX_MACS` multiply-adds takes `experts_dense`; with `config.backend == "pallas"` every batch size takes
     the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
-    unpermute), "dense" or "capacity" (with `capacity_factor`, default
-    1.25; its drop statistics are available from `experts_capacity`). `grouped_method` is passed to
+    unpermute; FP8 experts go to them as FP8 tiles + block scales), "dense" or "capacity" (with
+    `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_method`
+    is passed to
     `grouped_swiglu` by the sorted path. `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
 
@@ -569,7 +571,16 @@ class SparseMoeBlock(nnx.Module):
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed-expert sum for x [N, H] with the configured path."""
-        gu, dn = self.experts.dequantized(x.dtype)
+        ex = self.experts
+        if self.impl == "sorted" and self.config.backend == "pallas" and ex.fp8:  # FP8 tiles read by the kernels
+            from qwen35.kernels.grouped_matmul import experts_sorted_pallas
+
+            H, I = ex.gate_up_proj[...].shape[2], ex.down_proj[...].shape[2]
+            if H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0:
+                return experts_sorted_pallas(x, weights, experts, ex.gate_up_proj[...], ex.down_proj[...],
+                                             gate_up_scale=ex.gate_up_proj_scale_inv[...],
+                                             down_scale=ex.down_proj_scale_inv[...])
+        gu, dn = ex.dequantized(x.dtype)
         if self.impl == "ep":
             from qwen35.sharding import moe_ep  # sharding imports this module
 

@@ -126,6 +126,58 @@ def test_moe_on_kernels_matches_dense():
     assert_close(y, experts_dense(x, w, experts, gate_up, down), atol=1e-5, name="MoE on kernels")
 
 
+def fp8_weights(rng, E, H, I):
+    """Random experts quantised the official way: (gate_up, down) float8 + their block scales, and the dequantised
+    float32 weights they stand for."""
+    from qwen35.weights import fp8_block_dequantize, fp8_block_quantize
+
+    gate_up, down = weights(rng, E, H, I)
+    (gq, gs), (dq, ds) = fp8_block_quantize(gate_up), fp8_block_quantize(down)
+    return (gq, gs, dq, ds), (fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds))
+
+
+@pytest.mark.timeout(240)
+def test_grouped_swiglu_fp8_reads_fp8_tiles_and_matches_dequantised():
+    """FP8 experts (two 128-blocks of H, an empty group, groups straddling 8-row tiles): the kernels that convert
+    FP8 tiles in VMEM and scale each 128-wide step give the reference on the dequantised weights."""
+    rng = np.random.default_rng(8)
+    Ef, Hf, If, Mf = 3, 256, 128, 20
+    gs = np.array([7, 0, 13], np.int32)
+    (gq, gsc, dq, dsc), (gu, dn) = fp8_weights(rng, Ef, Hf, If)
+    x = rng.standard_normal((Mf, Hf)).astype(np.float32)
+    out = grouped_swiglu(x, gs, gq, dq, tm=TM, ti=128, th=128, gate_up_scale=gsc, down_scale=dsc, interpret=RACES)
+    assert not races_found(), "the race detector flagged an FP8 kernel"
+    assert_close(out, grouped_swiglu_reference(x, gs, gu, dn), atol=2e-5, name="fp8 grouped swiglu")
+    with pytest.raises(ValueError, match="both"):
+        grouped_swiglu(x, gs, gq, dq, gate_up_scale=gsc)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        grouped_swiglu(x[:, :40], gs, gq[:, :, :40], dq[:, :40], gate_up_scale=gsc, down_scale=dsc)
+
+
+@pytest.mark.timeout(240)
+def test_moe_block_with_fp8_experts_on_the_kernels():
+    """`SparseMoeBlock` with FP8 experts and backend "pallas" hands the FP8 weights and scales to the kernels;
+    its output equals the XLA backend's, which dequantises them first."""
+    from flax import nnx
+
+    from qwen35.config import tiny
+    from qwen35.moe import SparseMoeBlock
+
+    cfg = tiny(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
+    rng = np.random.default_rng(9)
+    (gq, gsc, dq, dsc), _ = fp8_weights(rng, 4, 128, 128)
+    x = jnp.asarray(rng.standard_normal((1, 6, 128)), jnp.float32)
+    outs = {}
+    for backend in ("xla", "pallas"):
+        block = SparseMoeBlock(cfg.replace(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
+        ex = block.experts
+        for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gsc),
+                            ("down_proj_scale_inv", dsc)):
+            getattr(ex, name).set_value(jnp.asarray(value))
+        outs[backend] = np.asarray(block(x)[0])
+    assert_close(outs["pallas"], outs["xla"], atol=2e-5, name="fp8 MoE block, pallas vs xla")
+
+
 def test_permute_errors():
     with pytest.raises(ValueError, match="order must be"):
         permute(np.zeros((4, 8), np.float32), np.arange(7, dtype=np.int32), 2)
@@ -134,12 +186,17 @@ def test_permute_errors():
 
 
 def test_moe_kernels_lower_for_tpu():
-    """Mosaic lowering on 397B-like per-chip shapes: H = 4096, I = 1024 (bf16), 128-row tiles."""
+    """Mosaic lowering on 397B-like per-chip shapes: H = 4096, I = 1024 (bf16, and FP8 experts), 128-row tiles."""
     sd, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
     Hr, Ir, Er, Nr, kr = 4096, 1024, 16, 256, 10
     cases = [
         (lambda x, g, gu, d: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, interpret=False),
          (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), bf), sd((Er, Hr, Ir), bf))),
+        (lambda x, g, gu, d, gs, ds: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, gate_up_scale=gs,
+                                                     down_scale=ds, interpret=False),
+         (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), jnp.float8_e4m3fn),
+          sd((Er, Hr, Ir), jnp.float8_e4m3fn), sd((Er, 2 * Ir // 128, Hr // 128), jnp.float32),
+          sd((Er, Hr // 128, Ir // 128), jnp.float32))),
         (lambda x, o: permute(x, o, kr, interpret=False), (sd((Nr, Hr), bf), sd((Nr * kr,), i32))),
         (lambda y, o, w: unpermute(y, o, w, interpret=False),
          (sd((Nr * kr, Hr), bf), sd((Nr * kr,), i32), sd((Nr, kr), bf))),
