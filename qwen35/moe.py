@@ -526,7 +526,8 @@ class SparseMoeBlock(nnx.Module):
     the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
     unpermute; FP8 experts go to them as FP8 tiles + block scales), "dense" or "capacity" (with
     `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_method`
-    is passed to `grouped_swiglu` by the sorted path. `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
+    is passed to `grouped_swiglu` by the sorted path.
+    `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, impl: str = "sorted",
