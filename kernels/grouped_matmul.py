@@ -100,7 +100,16 @@ def _row_mask(offsets_ref, group, tile, tm):
     return (rows >= offsets_ref[group]) & (rows < offsets_ref[group + 1])
 
 
-def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, o_ref, acc_g, acc_u):
+def _weight_tile(w_ref, x):
+    """A weight tile as the matmul takes it: as stored, or FP8 converted to x's dtype in VMEM (exact)."""
+    w = w_ref[...]
+    return w.astype(x.dtype) if w.dtype != x.dtype else w
+
+
+def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, *rest):
+    """rest = (o_ref, acc_g, acc_u), or with FP8 weights (sg_ref, su_ref, o_ref, acc_g, acc_u): the [1, ti] scales
+    of this step's 128-wide block, which multiply its partial products."""
+    sg_ref, su_ref, o_ref, acc_g, acc_u = rest if len(rest) == 5 else (None, None, *rest)
     v, k = pl.program_id(1), pl.program_id(2)
     tm = x_ref.shape[0]
 
@@ -113,8 +122,12 @@ def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref,
 
         x = x_ref[...]
         nt = (((1,), (1,)), ((), ()))                                              # x [tm, tk] · w [ti, tk]ᵀ
-        acc_g[...] += jax.lax.dot_general(x, g_ref[...], nt, preferred_element_type=jnp.float32)
-        acc_u[...] += jax.lax.dot_general(x, u_ref[...], nt, preferred_element_type=jnp.float32)
+        pg = jax.lax.dot_general(x, _weight_tile(g_ref, x), nt, preferred_element_type=jnp.float32)
+        pu = jax.lax.dot_general(x, _weight_tile(u_ref, x), nt, preferred_element_type=jnp.float32)
+        if sg_ref is not None:
+            pg, pu = pg * sg_ref[...], pu * su_ref[...]
+        acc_g[...] += pg
+        acc_u[...] += pu
 
         @pl.when(k == pl.num_programs(2) - 1)
         def _write():
@@ -123,53 +136,9 @@ def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref,
             o_ref[...] = jnp.where(mask, a, o_ref[...])
 
 
-def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, o_ref, acc):
-    v, k = pl.program_id(1), pl.program_id(2)
-    tm = x_ref.shape[0]
-
-    @pl.when(v < nvis_ref[0])
-    def _visit():
-        @pl.when(k == 0)
-        def _init():
-            acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-        acc[...] += jax.lax.dot_general(x_ref[...], w_ref[...], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
-
-        @pl.when(k == pl.num_programs(2) - 1)
-        def _write():
-            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
-            o_ref[...] = jnp.where(mask, acc[...].astype(o_ref.dtype), o_ref[...])
-
-
-def _gmm_swiglu_fp8_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, sg_ref, su_ref, o_ref,
-                           acc_g, acc_u):
-    """`_gmm_swiglu_kernel` on FP8 weight tiles [ti, 128] with their per-column scales [1, ti]."""
-    v, k = pl.program_id(1), pl.program_id(2)
-    tm = x_ref.shape[0]
-
-    @pl.when(v < nvis_ref[0])
-    def _visit():
-        @pl.when(k == 0)
-        def _init():
-            acc_g[...] = jnp.zeros(acc_g.shape, jnp.float32)
-            acc_u[...] = jnp.zeros(acc_u.shape, jnp.float32)
-
-        x = x_ref[...]
-        nt = (((1,), (1,)), ((), ()))
-        g, u = g_ref[...].astype(x.dtype), u_ref[...].astype(x.dtype)     # FP8 -> x's dtype in VMEM (exact)
-        acc_g[...] += jax.lax.dot_general(x, g, nt, preferred_element_type=jnp.float32) * sg_ref[...]
-        acc_u[...] += jax.lax.dot_general(x, u, nt, preferred_element_type=jnp.float32) * su_ref[...]
-
-        @pl.when(k == pl.num_programs(2) - 1)
-        def _write():
-            a = (jax.nn.silu(acc_g[...]) * acc_u[...]).astype(o_ref.dtype)
-            mask = _row_mask(offsets_ref, group_ref[v], tile_ref[v], tm)
-            o_ref[...] = jnp.where(mask, a, o_ref[...])
-
-
-def _gmm_fp8_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, s_ref, o_ref, acc):
-    """`_gmm_kernel` on FP8 weight tiles [tn, 128] with their per-column scales [1, tn]."""
+def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, *rest):
+    """rest = (o_ref, acc), or with FP8 weights (s_ref, o_ref, acc)."""
+    s_ref, o_ref, acc = rest if len(rest) == 3 else (None, *rest)
     v, k = pl.program_id(1), pl.program_id(2)
     tm = x_ref.shape[0]
 
@@ -180,8 +149,9 @@ def _gmm_fp8_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, s_
             acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
         x = x_ref[...]
-        acc[...] += jax.lax.dot_general(x, w_ref[...].astype(x.dtype), (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32) * s_ref[...]
+        p = jax.lax.dot_general(x, _weight_tile(w_ref, x), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        acc[...] += p * s_ref[...] if s_ref is not None else p
 
         @pl.when(k == pl.num_programs(2) - 1)
         def _write():
@@ -224,42 +194,29 @@ def gmm_swiglu(x_padded, meta, gate_up, scales=None, *, tm, ti, tk, interpret):
     I = I2 // 2
     V = meta[1].shape[0]
     nI = I // ti
-    if scales is not None:
+    in_specs = [
+        pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+        pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),       # gate
+        pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n + nI, k)),  # up
+    ]
+    args = [x_padded, gate_up, gate_up]
+    if scales is not None:  # FP8: this step's (1, ti) scales of the gate and the up rows
         assert tk == FP8_BLOCK, tk
-        return pl.pallas_call(
-            _gmm_swiglu_fp8_kernel,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4,
-                grid=(nI, V, H // tk),
-                in_specs=[
-                    pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
-                    pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),       # gate
-                    pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n + nI, k)),  # up
-                    pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
-                    pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n + nI)),
-                ],
-                out_specs=pl.BlockSpec((tm, ti), lambda n, v, k, off, grp, til, nv: (til[v], n)),
-                scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32), pltpu.VMEM((tm, ti), jnp.float32)],
-            ),
-            out_shape=jax.ShapeDtypeStruct((Mp, I), x_padded.dtype),
-            **_params(interpret),
-        )(*meta, x_padded, gate_up, gate_up, scales, scales)
+        in_specs += [pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
+                     pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n + nI))]
+        args += [scales, scales]
     return pl.pallas_call(
         _gmm_swiglu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(nI, V, H // tk),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
-                pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),       # gate
-                pl.BlockSpec((None, ti, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n + nI, k)),  # up
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, ti), lambda n, v, k, off, grp, til, nv: (til[v], n)),
             scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32), pltpu.VMEM((tm, ti), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((Mp, I), x_padded.dtype),
         **_params(interpret),
-    )(*meta, x_padded, gate_up, gate_up)
+    )(*meta, *args)
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret"))
@@ -269,39 +226,27 @@ def gmm(a_padded, meta, w, scales=None, *, tm, tn, tk, interpret):
     Mp, K = a_padded.shape
     E, N, _ = w.shape
     V = meta[1].shape[0]
+    in_specs = [
+        pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
+        pl.BlockSpec((None, tn, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),
+    ]
+    args = [a_padded, w]
     if scales is not None:
         assert tk == FP8_BLOCK, tk
-        return pl.pallas_call(
-            _gmm_fp8_kernel,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4,
-                grid=(N // tn, V, K // tk),
-                in_specs=[
-                    pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
-                    pl.BlockSpec((None, tn, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),
-                    pl.BlockSpec((None, None, 1, tn), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
-                ],
-                out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, off, grp, til, nv: (til[v], n)),
-                scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
-            ),
-            out_shape=jax.ShapeDtypeStruct((Mp, N), a_padded.dtype),
-            **_params(interpret),
-        )(*meta, a_padded, w, scales)
+        in_specs.append(pl.BlockSpec((None, None, 1, tn), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)))
+        args.append(scales)
     return pl.pallas_call(
         _gmm_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(N // tn, V, K // tk),
-            in_specs=[
-                pl.BlockSpec((tm, tk), lambda n, v, k, off, grp, til, nv: (til[v], k)),
-                pl.BlockSpec((None, tn, tk), lambda n, v, k, off, grp, til, nv: (grp[v], n, k)),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, off, grp, til, nv: (til[v], n)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         out_shape=jax.ShapeDtypeStruct((Mp, N), a_padded.dtype),
         **_params(interpret),
-    )(*meta, a_padded, w)
+    )(*meta, *args)
 
 
 def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: int | None = 512,
