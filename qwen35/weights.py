@@ -561,6 +561,26 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+class _Dequantized:
+    """FP8 experts [E, R, C] + scales seen as float32, dequantised only where indexed (`[e]`, `[e, rows]`) or
+    converted (`np.asarray`), so saving them dequantised never holds more than the tensor being written."""
+
+    def __init__(self, q, scale):
+        self.q, self.scale = q, scale
+        self.shape, self.dtype = tuple(q.shape), np.dtype(np.float32)
+
+    def _expert(self, e) -> np.ndarray:
+        return fp8_block_dequantize(_to_numpy(self.q[e]), _to_numpy(self.scale[e]), np.float32)
+
+    def __getitem__(self, idx):
+        e, rows = idx if isinstance(idx, tuple) else (idx, slice(None))
+        return self._expert(e)[rows]
+
+    def __array__(self, dtype=None, copy=None):
+        out = np.stack([self._expert(e) for e in range(self.shape[0])])
+        return out if dtype is None else out.astype(dtype)
+
+
 def _save_items(model: Qwen35ForCausalLM, expert_layout: str, dequantize_fp8: bool = False):
     """(name, shape, np dtype, producer) for every tensor to write, in the HF order; producers fetch lazily.
 
@@ -573,10 +593,8 @@ def _save_items(model: Qwen35ForCausalLM, expert_layout: str, dequantize_fp8: bo
             continue
         m = _EXPERT_PARAM.match(name)
         scale = values.get(name + _SCALE_SUFFIX) if m else None
-        if scale is not None and dequantize_fp8:
-            from qwen35.moe import fp8_dequantize
-
-            value, scale = np.asarray(fp8_dequantize(value, scale, jnp.float32)), None
+        if scale is not None and dequantize_fp8:  # float32, one expert at a time when it is written
+            value, scale = _Dequantized(value, scale), None
         if m and expert_layout == "per_expert":
             prefix = name.rsplit(".", 1)[0]
             E = value.shape[0]

@@ -238,6 +238,10 @@ def test_fp8_keep_fused_experts_stay_fp8_and_give_the_dequantised_logits(ref, tm
     # gate and up rows share a scale block at I = 132: per-expert tensors cannot carry that, so saving them refuses
     with pytest.raises(ValueError, match="expert_layout='fused'"):
         qwen35.save_hf_checkpoint(kept, tmp_path / "per_expert", expert_layout="per_expert")
+    # ... but dequantised (with a dtype) they can: each expert is dequantised whole, then split into gate and up
+    back = qwen35.load_hf_checkpoint(qwen35.save_hf_checkpoint(kept, tmp_path / "per_expert_f32", dtype=jnp.float32,
+                                                               expert_layout="per_expert"), progress=False)
+    np.testing.assert_array_equal(expert_arrays(back)["gate_up_proj"], expert_arrays(deq)["gate_up_proj"])
     # a checkpoint without FP8 experts loads as with "dequantize"
     plain = qwen35.load_hf_checkpoint(ref["path"], fp8="keep", progress=False)
     assert expert_arrays(plain)["gate_up_proj"].dtype == np.float32
