@@ -580,21 +580,12 @@ class SparseMoeBlock(nnx.Module):
                 return experts_sorted_pallas(x, weights, experts, ex.gate_up_proj[...], ex.down_proj[...],
                                              gate_up_scale=ex.gate_up_proj_scale_inv[...],
                                              down_scale=ex.down_proj_scale_inv[...])
-        if self.impl == "ep":
-            from qwen35.sharding import LOGICAL_RULES, mesh_axes_for, moe_ep  # sharding imports this module
-
-            opts = dict(getattr(self, "ep_options", ()))
-            H, I = ex.gate_up_proj[...].shape[2], ex.down_proj[...].shape[2]
-            if (ex.fp8 and self.config.backend == "pallas" and self.ep_scheme == "allgather"
-                    and not mesh_axes_for("expert_mlp", self.ep_mesh, opts.get("rules", LOGICAL_RULES))
-                    and H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0):  # each device's kernels read its FP8 tiles
-                return moe_ep(x, weights, experts, ex.gate_up_proj[...], ex.down_proj[...], mesh=self.ep_mesh,
-                              scheme="allgather", local_impl="pallas", gate_up_scale=ex.gate_up_proj_scale_inv[...],
-                              down_scale=ex.down_proj_scale_inv[...], **opts)
-            gu, dn = ex.dequantized(x.dtype)
-            return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
-                          capacity_factor=self.ep_capacity_factor, **opts)
         gu, dn = ex.dequantized(x.dtype)
+        if self.impl == "ep":
+            from qwen35.sharding import moe_ep  # sharding imports this module
+
+            return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
+                          capacity_factor=self.ep_capacity_factor, **dict(getattr(self, "ep_options", ())))
         if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
             from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
 

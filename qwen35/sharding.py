@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 SCHEMES = ("allgather", "alltoall")
-LOCAL_IMPLS = ("sorted", "dense", "pallas")
+LOCAL_IMPLS = ("sorted", "dense")
 
 
 class ShardingError(ConfigError):
@@ -452,23 +452,18 @@ def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
 
 
-def _local_experts(x, weights, experts, gate_up, down, impl, scales=None):
+def _local_experts(x, weights, experts, gate_up, down, impl):
     El, k = gate_up.shape[0], experts.shape[1]
     if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
         # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
         weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, El, dtype=weights.dtype))
         experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
-    if impl == "pallas":  # the Pallas kernels; FP8 experts as FP8 tiles + block scales
-        from qwen35.kernels.grouped_matmul import experts_sorted_pallas
-
-        gs, ds = scales if scales is not None else (None, None)
-        return experts_sorted_pallas(x, weights, experts, gate_up, down, gate_up_scale=gs, down_scale=ds)
     if impl == "dense":
         return experts_dense(x, weights, experts, gate_up, down)
     return experts_sorted(x, weights, experts, gate_up, down)
 
 
-def _allgather_body(x, packed, gate_up, down, *scales, ex_axes, tp_axes, impl, hierarchical, chunks):
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks):
     """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
     parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
 
@@ -490,7 +485,7 @@ def _allgather_body(x, packed, gate_up, down, *scales, ex_axes, tp_axes, impl, h
         local = (e >= lo) & (e < lo + El)
         # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
         y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up,
-                           down, impl, scales or None)
+                           down, impl)
         if ex_axes:
             y = scatter(y)
         if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
@@ -538,8 +533,7 @@ def _axes_size_traced(axes) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave,
-           fp8=False):
+def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave):
     tok = P(tok_axes or None, None)
     tp = tp_axes or None
     gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
@@ -552,12 +546,11 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
     if scheme == "allgather":
         body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
                                  hierarchical=hierarchical, chunks=chunks)
-        scale_specs = (P(ex_axes or None, None, None),) * 2 if fp8 else ()  # FP8 block scales: with their experts
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec, *scale_specs),
-                          out_specs=(tok, P()), check_vma=False)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
+                          check_vma=False)
 
-        def run(x, weights, experts, gate_up, down, *scales):
-            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down, *scales)
+        def run(x, weights, experts, gate_up, down):
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
     else:
         body = functools.partial(_alltoall_body, ex_axes=ex_axes, tp_axes=tp_axes, all_axes=all_axes, C=C,
                                  chunks=chunks)
@@ -572,7 +565,7 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
            capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
            hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
-           return_stats: bool = False, gate_up_scale=None, down_scale=None):
+           return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
     over `mesh`.
@@ -595,9 +588,6 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
     `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
     `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
-    `local_impl` "pallas" runs each device's experts on the Pallas kernels (`experts_sorted_pallas`); with it and
-    "allgather", FP8 experts can stay FP8: pass gate_up/down as float8 with their block scales `gate_up_scale`,
-    `down_scale` (split over the expert axes like the weights) and each device's kernels read its FP8 tiles.
     With `return_stats`, returns (y, EPStats)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -607,12 +597,6 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
     if not isinstance(chunks, (int, np.integer)) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    fp8 = gate_up_scale is not None
-    if fp8 != (down_scale is not None):
-        raise ValueError("pass both gate_up_scale and down_scale (FP8 experts) or neither")
-    if fp8 and (scheme != "allgather" or local_impl != "pallas"):
-        raise ValueError("FP8 experts with block scales run on scheme='allgather' with local_impl='pallas' (the "
-                         "kernels read FP8 tiles); otherwise dequantise them first (qwen35.moe.Experts.dequantized)")
     x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
     if x.ndim != 2 or weights.shape != experts.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
         raise ValueError(f"expected x [N, H], weights and experts [N, k]; got {x.shape}, {weights.shape}, "
@@ -664,13 +648,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         C = None
         if t % chunks:
             raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
-    if fp8 and tp_axes:
-        raise ShardingError("FP8 experts' 128-row scale blocks do not follow a tensor-parallel split of each "
-                            "expert; use expert parallelism only, or dequantise them first")
     f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
-               gate_up_layout == "checkpoint", fp8)
-    scales = (jnp.asarray(gate_up_scale), jnp.asarray(down_scale)) if fp8 else ()
-    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down, *scales)
+               gate_up_layout == "checkpoint")
+    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)
