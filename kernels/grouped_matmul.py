@@ -38,12 +38,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from qwen35.config import FP8_BLOCK
 from qwen35.kernels.ragged_paged_attention import default_interpret
 
 __all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
            "group_metadata", "gmm_cost", "expand_fp8_scales"]
-
-FP8_BLOCK = 128
 
 
 def _check(x_sorted, group_sizes, gate_up, down):

@@ -23,6 +23,8 @@ from typing import Any
 LINEAR = "linear_attention"
 FULL = "full_attention"
 BACKENDS = ("xla", "pallas")
+# The official FP8 release stores one float32 scale per 128x128 block of a quantised weight (weight_block_size).
+FP8_BLOCK = 128
 
 
 class ConfigError(ValueError):

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qwen35.config import Qwen35Config
+from qwen35.config import FP8_BLOCK, Qwen35Config
 from qwen35.layers import DEFAULT_INIT_STD, Linear, init_normal
 
 __all__ = [
@@ -445,9 +445,6 @@ class TopKRouter(nnx.Module):
         self.weight = nnx.Param(init_normal(rngs, (num_experts, hidden), DEFAULT_INIT_STD, param_dtype))
 
 
-FP8_BLOCK = 128  # the official FP8 release's block: one scale per 128 x 128 weights
-
-
 def fp8_dequantize(w: jax.Array, scale_inv: jax.Array, dtype, block: int = FP8_BLOCK) -> jax.Array:
     """Block-scaled FP8 -> `dtype`: w [..., R, C] float8, scale_inv [..., ceil(R/b), ceil(C/b)] float32;
     result[..., r, c] = float(w[..., r, c]) · scale_inv[..., r // b, c // b] (the jnp twin of
@@ -572,24 +569,20 @@ class SparseMoeBlock(nnx.Module):
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed-expert sum for x [N, H] with the configured path."""
         ex = self.experts
-        if self.impl == "sorted" and self.config.backend == "pallas" and ex.fp8:  # FP8 tiles read by the kernels
-            from qwen35.kernels.grouped_matmul import experts_sorted_pallas
+        if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
+            from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
 
-            H, I = ex.gate_up_proj[...].shape[2], ex.down_proj[...].shape[2]
-            if H % FP8_BLOCK == 0 and I % FP8_BLOCK == 0:
-                return experts_sorted_pallas(x, weights, experts, ex.gate_up_proj[...], ex.down_proj[...],
-                                             gate_up_scale=ex.gate_up_proj_scale_inv[...],
+            gu, dn = ex.gate_up_proj[...], ex.down_proj[...]
+            if ex.fp8 and gu.shape[2] % FP8_BLOCK == 0 and dn.shape[2] % FP8_BLOCK == 0:  # FP8 tiles read in VMEM
+                return experts_sorted_pallas(x, weights, experts, gu, dn, gate_up_scale=ex.gate_up_proj_scale_inv[...],
                                              down_scale=ex.down_proj_scale_inv[...])
+            return experts_sorted_pallas(x, weights, experts, *ex.dequantized(x.dtype))
         gu, dn = ex.dequantized(x.dtype)
         if self.impl == "ep":
             from qwen35.sharding import moe_ep  # sharding imports this module
 
             return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
                           capacity_factor=self.ep_capacity_factor, **dict(getattr(self, "ep_options", ())))
-        if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
-            from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
-
-            return experts_sorted_pallas(x, weights, experts, gu, dn)
         if self.impl == "dense":
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":

@@ -28,12 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from qwen35.config import ConfigError, Qwen35Config, get_preset, PRESETS
+from qwen35.config import FP8_BLOCK, ConfigError, Qwen35Config, get_preset, PRESETS
 
 GB = 1e9
 GiB = 2**30
 TB = 1e12
-FP8_BLOCK = 128  # the FP8 release stores one fp32 scale per 128×128 block of a quantised weight
 
 
 class RooflineError(ValueError):

@@ -52,7 +52,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from qwen35.config import Qwen35Config
+from qwen35.config import FP8_BLOCK, Qwen35Config
 from qwen35.model import Qwen35ForCausalLM
 
 __all__ = [
@@ -67,7 +67,6 @@ __all__ = [
     "FP8_BLOCK",
 ]
 
-FP8_BLOCK = 128  # the official release's block size (weight_block_size [128, 128])
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
