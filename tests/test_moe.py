@@ -127,10 +127,13 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
         assert_close(jax.jit(fn)(x, w, e, gu, dn), ref, atol=2e-5, name=name)
 
 
-def test_grouped_swiglu_methods_agree(rng):
+@pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1]])
+def test_grouped_swiglu_methods_agree(rng, group_sizes):
+    """With small groups the tile loop runs 8-row tiles, with large ones (300 rows per expert on average) 128-row
+    tiles (`tile_rows`); both against numpy, per group."""
     E, H, I = 5, 12, 8
     gu, dn = expert_weights(rng, E, H, I)
-    group_sizes = np.array([0, 7, 0, 130, 3], np.int32)
+    group_sizes = np.array(group_sizes, np.int32)
     xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
     starts = np.concatenate([[0], np.cumsum(group_sizes)[:-1]])
     ref = np.zeros(xs.shape)
@@ -140,6 +143,17 @@ def test_grouped_swiglu_methods_agree(rng):
     for method, tile in [("tiles", 128), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
         y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
         assert_close(y, ref, atol=2e-5, name=f"{method} tile {tile}")
+
+
+def test_tile_rows():
+    """Half the average rows per expert, as a power of two in [8, tile], never above M."""
+    assert moe.tile_rows(64, 32) == 8  # 2 rows per expert: the floor
+    assert moe.tile_rows(2048, 32) == 32  # 64 rows per expert
+    assert moe.tile_rows(4096, 32) == 64
+    assert moe.tile_rows(8192, 32) == 128  # the small preset's 4 x 512 prefill, k = 4
+    assert moe.tile_rows(8192, 32, tile=64) == 64 and moe.tile_rows(10**6, 8) == 128
+    assert moe.tile_rows(5, 32) == 5  # never more rows than there are
+    assert moe.tile_rows(140, 5) == 8 and moe.tile_rows(901, 5) == 64 and moe.tile_rows(1501, 5) == 128
 
 
 def test_capacity_drops_counted(rng):
