@@ -236,3 +236,27 @@ def test_layer_bad_input():
     layer = gdn.GatedDeltaNet(qwen35.tiny(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="GatedDeltaNet expects"):
         layer(jnp.zeros((2, 5, 7)))
+
+
+def test_default_chunk_size():
+    """The XLA path on CPU uses C = 16 (benchmarks/gdn.py --chunk-sweep), the Pallas kernels 64; a bad path or chunk
+    size is refused; a module built with none runs the default and matches the recurrent reference."""
+    assert gdn.default_chunk_size() == (16 if jax.default_backend() == "cpu" else 64)
+    assert gdn.default_chunk_size("pallas") == 64
+    with pytest.raises(ValueError, match="path must be"):
+        gdn.default_chunk_size("triton")
+    cfg = qwen35.get_preset("tiny")
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=0)
+    layer = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0))
+    assert layer.chunk_size is None
+    x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        y, st = layer(x)
+        # the same layer token by token (the single-token recurrent step from the cached state)
+        state, ys = layer.init_state(2), []
+        for t in range(x.shape[1]):
+            y_t, state = layer(x[:, t:t + 1], state)
+            ys.append(y_t)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.concatenate(ys, axis=1)), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(st.recurrent), np.asarray(state.recurrent), atol=2e-5)

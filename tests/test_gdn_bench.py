@@ -31,3 +31,19 @@ def test_gdn_benchmark_smoke(bench, tmp_path):
         for key in ("recurrent_ms", "chunked_ms", "speedup", "recurrent_gflop", "chunked_gflop", "recurrent_gflops",
                     "chunked_gflops", "recurrent_pct_peak", "chunked_pct_peak"):
             assert r[key] > 0, key
+
+
+def test_chunk_sweep_smoke(bench, tmp_path):
+    """The chunk-size sweep behind `default_chunk_size`: every size gives the recurrent rule's result (the check it
+    reports), and the JSON holds a time for each size on each shape."""
+    out = tmp_path / "sweep.json"
+    shapes = (("tiny", 1, 40, 2, 8, 12), ("two sequences", 2, 24, 2, 8, 8))
+    res = bench.chunk_sweep(shapes, sizes=(8, 16), repeats=1, json_path=out)
+    saved = json.loads(out.read_text())
+    assert saved["benchmark"] == "gdn_chunk_sweep" and saved["sizes"] == [8, 16]
+    assert saved["default_chunk_size"] in (16, 64)
+    assert [r["shape"] for r in saved["rows"]] == ["tiny", "two sequences"] == [r["shape"] for r in res["rows"]]
+    for r in saved["rows"]:
+        assert set(r["ms"]) == {"8", "16"} and all(t > 0 for t in r["ms"].values())
+        assert r["ratio_to_C16"]["16"] == pytest.approx(1.0) and r["best"] in (8, 16)
+        assert r["max_abs_diff"] < 1e-5
