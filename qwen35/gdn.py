@@ -338,7 +338,12 @@ def causal_conv1d_update(x_t: jax.Array, weight: jax.Array, conv_state: jax.Arra
             f"conv_state {tuple(conv_state.shape)}, weight {tuple(weight.shape)}"
         )
     state = jnp.concatenate([conv_state[:, :, 1:].astype(x_t.dtype), x_t[:, :, None]], axis=-1)
-    y = jnp.sum(state * weight.astype(x_t.dtype), axis=-1)
+    # Σ_j state[..., j]·w[:, j] written out over the Kc (= 4) taps: one elementwise fusion. `jnp.sum(state * w, -1)`
+    # gives the same values but became a YNNPACK reduction on CPU, 4–8x slower (2-core CPU, jitted: [4, 1024]
+    # 215 against 53 µs per call, [64, 8192] 14.1 against 1.7 ms) — and this runs in every GDN layer of every
+    # decode step.
+    w = weight.astype(x_t.dtype)
+    y = sum(state[:, :, j] * w[:, j] for j in range(w.shape[-1]))
     if activation:
         y = jax.nn.silu(y)
     return y.astype(x_t.dtype), state
