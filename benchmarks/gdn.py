@@ -14,8 +14,9 @@ jobs share the CPU.
 
 The sweep times `chunk_gated_delta_rule` at each chunk size C on the shapes the package runs (the `small`
 preset's prefill, a serving step's short prompts with the tiny preset's heads, long sequences with 128-wide
-heads), interleaving the sizes call by call so that drift on a shared machine hits them alike; it prints each
-time as a ratio to C = 64 (transformers' choice) and checks that every C gives the same result. It is the
+heads), interleaving the sizes call by call so that drift on a shared machine hits them alike; it prints the
+times and the fastest C, saves each as a ratio to C = 64 (transformers' choice), and checks that every C gives
+the same result. It is the
 measurement behind `qwen35.gdn.default_chunk_size` (JSON: `results/gdn_chunk_sweep.json`).
 """
 

@@ -380,7 +380,7 @@ class GatedDeltaNet(nnx.Module):
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 (or None for the backend's default), got {chunk_size}")
         self.config = c
-        self.chunk_size = chunk_size  # None: default_chunk_size() of the path that runs
+        self.chunk_size = chunk_size  # None: default_chunk_size() of the path that runs (see `chunk_for`)
         H = c.hidden_size
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
@@ -395,6 +395,11 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.log(A).astype(param_dtype))
         self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = Linear(self.value_dim, H, rngs=rngs, param_dtype=param_dtype, std=DEFAULT_INIT_STD)
+
+    def chunk_for(self, path: str = "xla") -> int:
+        """The chunk size the chunked rule runs with on `path` ("xla" or "pallas"): the one given at construction,
+        else `default_chunk_size(path)`."""
+        return self.chunk_size or default_chunk_size(path)
 
     def init_state(self, batch_size: int, dtype=jnp.float32) -> GDNState:
         return GDNState(
@@ -433,8 +438,8 @@ class GatedDeltaNet(nnx.Module):
             o, rec = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init, use_qk_l2norm=True)
             o = o[:, None]
         else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size or default_chunk_size(),
-                                            initial_state=init, use_qk_l2norm=True)
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init,
+                                            use_qk_l2norm=True)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
 
@@ -468,8 +473,7 @@ class GatedDeltaNet(nnx.Module):
         mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
         q, k, v = self._split_heads(mixed)
         g, beta = self._gates(a, b)
-        C = self.chunk_size or default_chunk_size("pallas")
-        o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=C,
+        o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=self.chunk_for("pallas"),
                                                initial_state=None if state is None else state.recurrent,
                                                use_qk_l2norm=True)
         return o, conv_state, rec

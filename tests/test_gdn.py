@@ -240,7 +240,8 @@ def test_layer_bad_input():
 
 def test_default_chunk_size():
     """The XLA path on CPU uses C = 16 (benchmarks/gdn.py --chunk-sweep), the Pallas kernels 64; a bad path or chunk
-    size is refused; a module built with none runs the default and matches the recurrent reference."""
+    size is refused; a module built with none runs the default (`chunk_for`) and matches its own token-by-token
+    recurrent decode."""
     assert gdn.default_chunk_size() == (16 if jax.default_backend() == "cpu" else 64)
     assert gdn.default_chunk_size("pallas") == 64
     with pytest.raises(ValueError, match="path must be"):
@@ -249,7 +250,8 @@ def test_default_chunk_size():
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=0)
     layer = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0))
-    assert layer.chunk_size is None
+    assert layer.chunk_size is None and layer.chunk_for() == gdn.default_chunk_size()
+    assert layer.chunk_for("pallas") == 64 and gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=8).chunk_for() == 8
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size), jnp.float32)
     with jax.default_matmul_precision("highest"):
         y, st = layer(x)

@@ -34,7 +34,7 @@ def test_gdn_benchmark_smoke(bench, tmp_path):
 
 
 def test_chunk_sweep_smoke(bench, tmp_path):
-    """The chunk-size sweep behind `default_chunk_size`: every size gives the recurrent rule's result (the check it
+    """The chunk-size sweep behind `default_chunk_size`: every size gives the largest size's result (the check it
     reports), and the JSON holds a time for each size on each shape."""
     out = tmp_path / "sweep.json"
     shapes = (("tiny", 1, 40, 2, 8, 12), ("two sequences", 2, 24, 2, 8, 8))

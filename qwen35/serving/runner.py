@@ -35,7 +35,7 @@ from flax import nnx
 
 from qwen35.attention import KVCache, apply_rope, rope_cos_sin, rope_inv_freq
 from qwen35.config import LINEAR
-from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, default_chunk_size,
+from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                         gated_delta_rule_step)
 from qwen35.model import bind_program
 from qwen35.serving.cache import PagedHybridCache
@@ -201,8 +201,8 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
         gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
         betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
         qb, kb, vb = split_heads(yb, (Sp, Lb))
-        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_size or default_chunk_size(),
-                                              initial_state=s0, use_qk_l2norm=True)
+        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(), initial_state=s0,
+                                              use_qk_l2norm=True)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf[b.tok_prow, b.tok_col], o)
