@@ -236,9 +236,10 @@ def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference):
 
 def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
     """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows
-    again as a causal [Sp, Lb] block) equals `ragged_paged_attention_reference` (every token against its
-    sequence's pages) on the real tokens of every batch shape a mixed run produces: decode-only steps, prefill
-    chunks, both together."""
+    again as a causal [Sp, Lb] block over their own new K/V and, for chunks that continue a sequence, its context
+    pages) equals `ragged_paged_attention_reference` (every token against its sequence's pages) on the real tokens
+    of every batch shape a mixed run produces: decode-only steps, whole-prompt prefills, continued chunks, and
+    these together."""
     from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_reference
     from qwen35.serving.runner import _paged_attention_rows
 
@@ -247,23 +248,26 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
     run = engine._run
 
     def record(cache, batch, **kw):
-        key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]))
+        key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]), batch.ctx_pages.shape)
         seen.setdefault(key, batch)
         return run(cache, batch, **kw)
 
     engine._run = record
     engine.generate(prompts[:12], [SamplingParams(max_tokens=m) for m in max_tokens[:12]])
     assert any(k[1][0] == 0 for k in seen) and any(k[1][0] > 0 and k[0][0] > k[1][0] for k in seen)
+    assert any(k[3][1] == 0 and k[1][0] > 0 for k in seen) and any(k[3][1] > 0 for k in seen)  # fresh and continued
     rng = np.random.default_rng(0)
     kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
     Hq = model.config.num_attention_heads
-    for (_, _, S), b in seen.items():
+    for (_, _, S, _), b in seen.items():
         q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
         k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
         T = int(b.cu_q_lens[S])
         with jax.default_matmul_precision("highest"):
             ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
-            got = _paged_attention_rows(q, k, v, b)
+            k_new = k.reshape(-1, *kv_shape[2:])[b.slot_mapping]  # the step's own K/V, as written to the pages
+            v_new = v.reshape(-1, *kv_shape[2:])[b.slot_mapping]
+            got = _paged_attention_rows(q, k_new, v_new, k, v, b)
         np.testing.assert_allclose(np.asarray(got)[:T], np.asarray(ref)[:T], atol=1e-5, rtol=1e-5)
 
 

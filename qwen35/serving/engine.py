@@ -235,6 +235,11 @@ class Engine:
         gather_idx = np.zeros((Sp, Lb), np.int32)
         gather_valid = np.zeros((Sp, Lb), bool)
         pf_rows = np.full(Sp, Sb, np.int32)
+        # Pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the common
+        # case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V.
+        ctx = [-(-starts[s] // bs) for s in pf]
+        Pc = min(_pow2(max(ctx), 1), P) if pf and max(ctx) else 0
+        ctx_pages = pages[[s for s in pf] + [Sb - 1] * (Sp - len(pf)), :Pc] if Pc else np.zeros((Sp, 0), np.int32)
         tok_pf = np.zeros(Tb, bool)
         tok_prow = np.zeros(Tb, np.int32)
         for j, s in enumerate(pf):
@@ -255,7 +260,7 @@ class Engine:
                 temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
                 seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
         return StepBatch(tokens, positions, slot_mapping, cu, kv_lens, pages, np.array([S], np.int32), slots, fresh,
-                         gather_idx, gather_valid, pf_rows, tok_row, tok_pf, tok_prow, tok_col, last_idx, temp,
+                         gather_idx, gather_valid, pf_rows, ctx_pages, tok_row, tok_pf, tok_prow, tok_col, last_idx, temp,
                          top_k, top_p, seeds, counters)
 
     def step(self) -> list[StepEvent]:

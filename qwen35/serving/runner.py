@@ -8,8 +8,9 @@ together — into `tokens [Tb]`. It is built from the model's own modules and th
   attention mixer:  q_proj / k_proj / v_proj, q_norm / k_norm, `apply_rope` at each token's own position, K/V
                     scattered into the pages at `slot_mapping`, then ragged paged attention over the block tables
                     (the Pallas kernel of `qwen35.kernels` when `config.backend == "pallas"`, else
-                    `_paged_attention_rows`: the reference's result, computed by rows as the GDN mixer below is),
-                    output gate, o_proj
+                    `_paged_attention_rows`: the reference's result, computed by rows as the GDN mixer below is;
+                    a prefill chunk attends to its own fresh K/V plus, only if it continues a sequence, the
+                    context pages before it), output gate, o_proj
   GDN mixer:        in_proj_*, then for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
                     token (exact for rows with one token: decodes), and for the rows with several tokens (prefill
                     chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`), `causal_conv1d` +
@@ -48,7 +49,7 @@ class StepBatch(NamedTuple):
     """Everything the jitted step needs besides parameters and cache (all int32 unless noted).
 
     Tb packed tokens, Sb sequence rows, Sp prefill rows (0 in a decode-only step), Lb their longest query, P pages
-    per row.
+    per row, Pc pages of context before a prefill chunk (0 when no prefill row has any).
     """
 
     tokens: jax.Array        # [Tb] token ids, packed (sequence s owns tokens[cu_q_lens[s]:cu_q_lens[s+1]])
@@ -63,6 +64,8 @@ class StepBatch(NamedTuple):
     gather_idx: jax.Array    # [Sp, Lb] packed index of the j-th token of the p-th prefill row (rows with > 1 token)
     gather_valid: jax.Array  # [Sp, Lb] bool
     pf_rows: jax.Array       # [Sp] row of each prefill entry (Sb for padding: its writes are dropped)
+    ctx_pages: jax.Array     # [Sp, Pc] pages of each prefill entry's context before this step (Pc = 0 when every
+                             # prefill row starts its sequence: the common case, attention on its own K/V only)
     tok_row: jax.Array       # [Tb] row of each packed token
     tok_pf: jax.Array        # [Tb] bool: the token belongs to a prefill row
     tok_prow: jax.Array      # [Tb] its prefill entry p
@@ -76,13 +79,15 @@ class StepBatch(NamedTuple):
 
 
 def attention_backend(backend: str):
-    """The step's ragged paged attention for `backend`, as `attend(q, k_pages, v_pages, batch) -> [Tb, Hq, D]`: the
-    Pallas kernel for "pallas", else `_paged_attention_rows` (the reference's result, laid out by rows)."""
+    """The step's ragged paged attention for `backend`, as `attend(q, k, v, k_pages, v_pages, batch) -> [Tb, Hq, D]`
+    (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages): the Pallas kernel for
+    "pallas" (it reads everything through the block tables), else `_paged_attention_rows` (the reference's result,
+    laid out by rows)."""
     if backend == "pallas":
         from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
 
-        return lambda q, kp, vp, b: ragged_paged_attention(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens,
-                                                           b.num_seqs)
+        return lambda q, k, v, kp, vp, b: ragged_paged_attention(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens,
+                                                                 b.num_seqs)
     return _paged_attention_rows
 
 
@@ -100,25 +105,27 @@ def _softmax_attend(spec: str, qg, k, v, mask, scale):
     return jnp.einsum(f"{qa}kgl,{ka}lkd->{qa}kgd", p / jnp.where(denom > 0, denom, 1.0), v)
 
 
-def _paged_attention_rows(q, k_pages, v_pages, b: StepBatch):
+def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
     """Ragged paged attention for the XLA backend, by rows instead of by tokens: the same result as
     `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
     ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
 
-    Every row's last token attends to the row's pages ([Sb, L]: all a decode row has), and the rows with several
-    tokens (prefill chunks) attend again as the padded block [Sp, Lb] of `gather_idx`, causally, to their own
-    pages gathered anew (cheaper on CPU than a second reader of the [Sb, L] copy, which XLA then materialises),
-    and replace their tokens' outputs — the layout `_gdn` uses."""
+    Every row's last token attends to the row's pages ([Sb, L]: all a decode row has). The rows with several
+    tokens (prefill chunks) attend again as the padded block [Sp, Lb] of `gather_idx` and replace their tokens'
+    outputs (the layout `_gdn` uses): causally to the chunk's own keys and values `k_new`, `v_new` (no page
+    gather), after the context the row had before this step, read from its first Pc pages (`ctx_pages`). A
+    prompt prefilled in one step has no context (Pc = 0), so its attention costs Lb keys per query, not the
+    L = P·page_size of the whole block table."""
     T, Hq, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     Sb, P = b.page_indices.shape
     G, L = Hq // Hkv, P * PS
     scale = D ** -0.5
 
-    def pages(table):  # [R, P] page ids -> K, V [R, L, Hkv, D] float32
-        R = table.shape[0]
-        return (k_pages[table].reshape(R, L, Hkv, D).astype(jnp.float32),
-                v_pages[table].reshape(R, L, Hkv, D).astype(jnp.float32))
+    def pages(table):  # [R, P'] page ids -> K, V [R, P'·PS, Hkv, D] float32
+        R, n = table.shape
+        return (k_pages[table].reshape(R, n * PS, Hkv, D).astype(jnp.float32),
+                v_pages[table].reshape(R, n * PS, Hkv, D).astype(jnp.float32))
 
     k, v = pages(b.page_indices)
     qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
@@ -130,10 +137,19 @@ def _paged_attention_rows(q, k_pages, v_pages, b: StepBatch):
     Sp, Lb = b.gather_idx.shape
     if Sp:
         r = jnp.minimum(b.pf_rows, Sb - 1)
-        q_len = jnp.sum(b.gather_valid, axis=1)
-        pos = b.kv_lens[r][:, None] - q_len[:, None] + jnp.arange(Lb)[None, :]  # [Sp, Lb]
-        mask = (key_pos[None, None, :] <= pos[..., None]) & b.gather_valid[..., None]  # [Sp, Lb, L]
-        o_pf = _softmax_attend("pj,p", qf[b.gather_idx], *pages(b.page_indices[r]), mask, scale)  # [Sp, Lb, Hkv, G, D]
+        valid = b.gather_valid
+        j = jnp.arange(Lb)
+        keys = k_new[b.gather_idx].astype(jnp.float32)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
+        vals = v_new[b.gather_idx].astype(jnp.float32)
+        mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
+        Pc = b.ctx_pages.shape[1]
+        if Pc:  # chunks that continue a sequence: its earlier tokens, from the pages
+            start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
+            kc, vc = pages(b.ctx_pages)
+            ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
+            keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
+            mask = jnp.concatenate([ctx, mask], axis=-1)
+        o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
         o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
     return o.reshape(T, Hq, D).astype(q.dtype)
 
@@ -153,7 +169,7 @@ def _attention(attn, x, b: StepBatch, kv: KVCache, attend):
     NP, PS = kv.k.shape[:2]
     kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
     vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
-    o = attend(q, kp, vp, b)  # [Tb, Hq, Dh]
+    o = attend(q, k, v, kp, vp, b)  # [Tb, Hq, Dh]
     o = (o.reshape(T, Hq * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     return attn.o_proj(o), KVCache(kp, vp)
 
