@@ -331,3 +331,32 @@ def test_fused_engine_and_step_fn_match_generate():
     toks_b, logits_b, _ = engine._run(copy(engine.cache), batch, return_logits=True)
     np.testing.assert_array_equal(np.asarray(toks_a), np.asarray(toks_b))
     np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), rtol=0, atol=1e-5)
+
+
+def test_serving_benchmark_interleaved_pair(model):
+    """benchmarks/serving.py times static and continuous batching interleaved step by step: both engines finish the
+    same requests with the same greedy tokens (batch invariance across the two schedules), static batching (a batch
+    admitted only into an empty engine) takes more steps, and each mode's time is its own steps' sum (positive,
+    the two together within the pair's wall time)."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    reqs = bench.mixed_workload(12, model.config.vocab_size, seed=1)
+    engines = {m: make_engine(model, 4, 16) for m in ("static", "continuous")}
+    t0 = time.perf_counter()
+    res = bench.serve_interleaved(engines, reqs)
+    wall = time.perf_counter() - t0
+    for mode, e in engines.items():
+        assert not e.has_unfinished() and len(e.requests) == len(reqs)
+        assert all(r.output for r in e.requests.values())
+        assert 0 < res[mode]["seconds"] < wall and res[mode]["steps"] == e.num_steps
+        assert_all_free(e)
+    outs = {m: {rid: r.output for rid, r in e.requests.items()} for m, e in engines.items()}
+    assert outs["static"] == outs["continuous"]
+    assert res["static"]["steps"] > res["continuous"]["steps"]
+    assert res["static"]["seconds"] + res["continuous"]["seconds"] <= wall
