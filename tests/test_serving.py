@@ -243,32 +243,37 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
     from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_reference
     from qwen35.serving.runner import _paged_attention_rows
 
-    engine = make_engine(model, 7, 16)
-    seen = {}
-    run = engine._run
+    modes = set()
+    for block_size in (16, 256):  # pages of 16: context pages + chunk; of 256: one page, read whole (Pc = P)
+        engine = make_engine(model, 7, block_size)
+        seen = {}
+        run = engine._run
 
-    def record(cache, batch, **kw):
-        key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]), batch.ctx_pages.shape)
-        seen.setdefault(key, batch)
-        return run(cache, batch, **kw)
+        def record(cache, batch, **kw):
+            key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]), batch.ctx_pages.shape)
+            seen.setdefault(key, batch)
+            return run(cache, batch, **kw)
 
-    engine._run = record
-    engine.generate(prompts[:12], [SamplingParams(max_tokens=m) for m in max_tokens[:12]])
-    assert any(k[1][0] == 0 for k in seen) and any(k[1][0] > 0 and k[0][0] > k[1][0] for k in seen)
-    assert any(k[3][1] == 0 and k[1][0] > 0 for k in seen) and any(k[3][1] > 0 for k in seen)  # fresh and continued
-    rng = np.random.default_rng(0)
-    kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
-    Hq = model.config.num_attention_heads
-    for (_, _, S, _), b in seen.items():
-        q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
-        k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
-        T = int(b.cu_q_lens[S])
-        with jax.default_matmul_precision("highest"):
-            ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
-            k_new = k.reshape(-1, *kv_shape[2:])[b.slot_mapping]  # the step's own K/V, as written to the pages
-            v_new = v.reshape(-1, *kv_shape[2:])[b.slot_mapping]
-            got = _paged_attention_rows(q, k_new, v_new, k, v, b)
-        np.testing.assert_allclose(np.asarray(got)[:T], np.asarray(ref)[:T], atol=1e-5, rtol=1e-5)
+        engine._run = record
+        engine.generate(prompts[:12], [SamplingParams(max_tokens=m) for m in max_tokens[:12]])
+        assert any(k[1][0] == 0 for k in seen) and any(k[1][0] > 0 and k[0][0] > k[1][0] for k in seen)
+        P = engine.page_bucket
+        modes |= {"own" if k[3][1] == 0 else "whole table" if k[3][1] == P else "context"
+                  for k in seen if k[1][0] > 0}
+        rng = np.random.default_rng(0)
+        kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
+        Hq = model.config.num_attention_heads
+        for (_, _, S, _), b in seen.items():
+            q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
+            k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
+            T = int(b.cu_q_lens[S])
+            with jax.default_matmul_precision("highest"):
+                ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
+                k_new = k.reshape(-1, *kv_shape[2:])[b.slot_mapping]  # the step's own K/V, as written to the pages
+                v_new = v.reshape(-1, *kv_shape[2:])[b.slot_mapping]
+                got = _paged_attention_rows(q, k_new, v_new, k, v, b)
+            np.testing.assert_allclose(np.asarray(got)[:T], np.asarray(ref)[:T], atol=1e-5, rtol=1e-5)
+    assert modes == {"own", "context", "whole table"}  # whole prompts; continued chunks, both ways
 
 
 @pytest.mark.timeout(600)

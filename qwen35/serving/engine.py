@@ -239,6 +239,8 @@ class Engine:
         # case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V.
         ctx = [-(-starts[s] // bs) for s in pf]
         Pc = min(_pow2(max(ctx), 1), P) if pf and max(ctx) else 0
+        if Pc and (Pc * bs + Lb) >= P * bs:  # context + chunk keys would reach the whole table: read the table
+            Pc = P
         ctx_pages = pages[[s for s in pf] + [Sb - 1] * (Sp - len(pf)), :Pc] if Pc else np.zeros((Sp, 0), np.int32)
         tok_pf = np.zeros(Tb, bool)
         tok_prow = np.zeros(Tb, np.int32)

@@ -65,7 +65,8 @@ class StepBatch(NamedTuple):
     gather_valid: jax.Array  # [Sp, Lb] bool
     pf_rows: jax.Array       # [Sp] row of each prefill entry (Sb for padding: its writes are dropped)
     ctx_pages: jax.Array     # [Sp, Pc] pages of each prefill entry's context before this step (Pc = 0 when every
-                             # prefill row starts its sequence: the common case, attention on its own K/V only)
+                             # prefill row starts its sequence: the common case, attention on its own K/V only;
+                             # Pc = P, the whole block table, when context + chunk would cost as many keys)
     tok_row: jax.Array       # [Tb] row of each packed token
     tok_pf: jax.Array        # [Tb] bool: the token belongs to a prefill row
     tok_prow: jax.Array      # [Tb] its prefill entry p
@@ -115,7 +116,8 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
     outputs (the layout `_gdn` uses): causally to the chunk's own keys and values `k_new`, `v_new` (no page
     gather), after the context the row had before this step, read from its first Pc pages (`ctx_pages`). A
     prompt prefilled in one step has no context (Pc = 0), so its attention costs Lb keys per query, not the
-    L = P·page_size of the whole block table."""
+    L = P·page_size of the whole block table. When Pc·page_size + Lb would reach L anyway, the engine passes the
+    whole table (Pc = P) and the chunk reads every key, its own included, from the pages."""
     T, Hq, D = q.shape
     _, PS, Hkv, _ = k_pages.shape
     Sb, P = b.page_indices.shape
@@ -143,8 +145,12 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
         vals = v_new[b.gather_idx].astype(jnp.float32)
         mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
         Pc = b.ctx_pages.shape[1]
-        if Pc:  # chunks that continue a sequence: its earlier tokens, from the pages
-            start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
+        start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
+        if Pc == P:  # the whole block table (cheaper than context + chunk): the chunk's K/V are in the pages too
+            keys, vals = pages(b.ctx_pages)
+            pos = start[:, None] + j[None, :]  # [Sp, Lb]
+            mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
+        elif Pc:  # chunks that continue a sequence: its earlier tokens from the first Pc pages, then the chunk
             kc, vc = pages(b.ctx_pages)
             ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
             keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
