@@ -241,7 +241,7 @@ class Engine:
         Pc = min(_pow2(max(ctx), 1), P) if pf and max(ctx) else 0
         if Pc and (Pc * bs + Lb) >= P * bs:  # context + chunk keys would reach the whole table: read the table
             Pc = P
-        ctx_pages = pages[[s for s in pf] + [Sb - 1] * (Sp - len(pf)), :Pc] if Pc else np.zeros((Sp, 0), np.int32)
+        ctx_pages = pages[pf + [Sb - 1] * (Sp - len(pf)), :Pc]  # padding entries read any row (masked out)
         tok_pf = np.zeros(Tb, bool)
         tok_prow = np.zeros(Tb, np.int32)
         for j, s in enumerate(pf):
@@ -262,8 +262,8 @@ class Engine:
                 temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
                 seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
         return StepBatch(tokens, positions, slot_mapping, cu, kv_lens, pages, np.array([S], np.int32), slots, fresh,
-                         gather_idx, gather_valid, pf_rows, ctx_pages, tok_row, tok_pf, tok_prow, tok_col, last_idx, temp,
-                         top_k, top_p, seeds, counters)
+                         gather_idx, gather_valid, pf_rows, ctx_pages, tok_row, tok_pf, tok_prow, tok_col, last_idx,
+                         temp, top_k, top_p, seeds, counters)
 
     def step(self) -> list[StepEvent]:
         """Run one scheduler step; returns an event for every request that got a token (or finished)."""

@@ -141,20 +141,21 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
         r = jnp.minimum(b.pf_rows, Sb - 1)
         valid = b.gather_valid
         j = jnp.arange(Lb)
-        keys = k_new[b.gather_idx].astype(jnp.float32)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
-        vals = v_new[b.gather_idx].astype(jnp.float32)
-        mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
         Pc = b.ctx_pages.shape[1]
         start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
         if Pc == P:  # the whole block table (cheaper than context + chunk): the chunk's K/V are in the pages too
             keys, vals = pages(b.ctx_pages)
             pos = start[:, None] + j[None, :]  # [Sp, Lb]
             mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
-        elif Pc:  # chunks that continue a sequence: its earlier tokens from the first Pc pages, then the chunk
-            kc, vc = pages(b.ctx_pages)
-            ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
-            keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
-            mask = jnp.concatenate([ctx, mask], axis=-1)
+        else:
+            keys = k_new[b.gather_idx].astype(jnp.float32)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
+            vals = v_new[b.gather_idx].astype(jnp.float32)
+            mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
+            if Pc:  # a chunk that continues a sequence: its earlier tokens from the first Pc pages come first
+                kc, vc = pages(b.ctx_pages)
+                ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
+                keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
+                mask = jnp.concatenate([ctx, mask], axis=-1)
         o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
         o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
     return o.reshape(T, Hq, D).astype(q.dtype)
