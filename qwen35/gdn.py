@@ -429,19 +429,26 @@ class GatedDeltaNet(nnx.Module):
 
         q, k, v = self._split_heads(mixed)
         g, beta = self._gates(a, b)
-        rep = self.num_v_heads // self.num_k_heads  # value head j reads key head j // rep
-        if rep > 1:
-            q, k = jnp.repeat(q, rep, axis=2), jnp.repeat(k, rep, axis=2)
+        q, k = self._norm_repeat(q, k, axis=2)
 
         init = None if state is None else state.recurrent
         if state is not None and T == 1:
-            o, rec = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init, use_qk_l2norm=True)
+            o, rec = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init)
             o = o[:, None]
         else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init,
-                                            use_qk_l2norm=True)
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init)
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
+
+    def _norm_repeat(self, q, k, axis: int):
+        """L2-normalise q, k [..., Hk, Dk] in float32 (the rule's use_qk_l2norm), then repeat each key head for the
+        Hv / Hk value heads that read it (value head j reads key head j // rep). Normalising before the repeat is
+        the same result for rep-fold less work (rep = 4 in the released model)."""
+        q, k = l2norm(q.astype(jnp.float32)), l2norm(k.astype(jnp.float32))
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:
+            q, k = jnp.repeat(q, rep, axis=axis), jnp.repeat(k, rep, axis=axis)
+        return q, k
 
     def _split_heads(self, mixed):
         """[B, T, conv_dim] after the conv -> q, k [B, T, Hk, Dk], v [B, T, Hv, Dv]."""

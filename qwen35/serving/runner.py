@@ -186,7 +186,6 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     Sb = b.slots.shape[0]
     Sp, Lb = b.gather_idx.shape
     Hk, Hv, Dk, Dv = gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim
-    rep = Hv // Hk
     mixed = gdn.in_proj_qkv(x)  # [Tb, conv_dim]
     z = gdn.in_proj_z(x).reshape(T, Hv, Dv)
     beta = jax.nn.sigmoid(gdn.in_proj_b(x).astype(jnp.float32))  # [Tb, Hv]
@@ -198,11 +197,9 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     conv0 = jnp.where(fresh[:, None, None], 0, st.conv[b.slots]).astype(x.dtype)  # [Sb, C, Kc]
     rec0 = jnp.where(fresh[:, None, None, None], 0.0, st.recurrent[b.slots])  # [Sb, Hv, Dk, Dv]
 
-    def split_heads(y, lead):
+    def split_heads(y, lead):  # q, k normalised (use_qk_l2norm) before the repeat to the value heads
         q, k, v = jnp.split(y, [gdn.key_dim, 2 * gdn.key_dim], axis=-1)
-        q, k = q.reshape(*lead, Hk, Dk), k.reshape(*lead, Hk, Dk)
-        if rep > 1:  # value head j reads key head j // rep
-            q, k = jnp.repeat(q, rep, axis=-2), jnp.repeat(k, rep, axis=-2)
+        q, k = gdn._norm_repeat(q.reshape(*lead, Hk, Dk), k.reshape(*lead, Hk, Dk), axis=-2)
         return q, k, v.reshape(*lead, Hv, Dv)
 
     # Every row: the single-token rule on its last token (exact for the rows with one token this step; the
@@ -210,7 +207,7 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     idx = b.last_idx
     y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
     q, k, v = split_heads(y, (Sb,))
-    o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0, use_qk_l2norm=True)
+    o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
     o = o_dec[b.tok_row]  # [Tb, Hv, Dv]
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
@@ -224,8 +221,7 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
         gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
         betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
         qb, kb, vb = split_heads(yb, (Sp, Lb))
-        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(), initial_state=s0,
-                                              use_qk_l2norm=True)
+        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(), initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf[b.tok_prow, b.tok_col], o)
