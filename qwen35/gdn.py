@@ -437,13 +437,15 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init)
+        o = o.astype(v.dtype)  # the rules return q's dtype (float32: normalised in it); back to the activations'
         o = self.norm(o, z).reshape(B, T, self.value_dim)
         return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
 
     def _norm_repeat(self, q, k, axis: int):
         """L2-normalise q, k [..., Hk, Dk] in float32 (the rule's use_qk_l2norm), then repeat each key head for the
         Hv / Hk value heads that read it (value head j reads key head j // rep). Normalising before the repeat is
-        the same result for rep-fold less work (rep = 4 in the released model)."""
+        the same result for rep-fold less work (rep = 4 in the released model). The rules return q's dtype, so
+        callers cast their output back to the activations' (v's) dtype."""
         q, k = l2norm(q.astype(jnp.float32)), l2norm(k.astype(jnp.float32))
         rep = self.num_v_heads // self.num_k_heads
         if rep > 1:

@@ -142,3 +142,25 @@ def test_calls_follow_value_and_structure_changes(prompt):
     del m
     gc.collect()
     assert alive() is None, "the remembered split must not keep the model alive"
+
+
+def test_bf16_activations_stay_bf16_through_gdn(prompt):
+    """The GDN rules compute in float32 (q, k normalised in it); the mixer's output returns to the activations'
+    dtype, in the model and in the serving runner: a bf16 model keeps bf16 hidden states (half the bytes)."""
+    from qwen35.serving import Engine, SamplingParams
+    from qwen35.serving.runner import _gdn
+
+    m = Qwen35ForCausalLM(qwen35.tiny(), rngs=nnx.Rngs(2), param_dtype=jnp.bfloat16)
+    gdn = m.model.layers[0].linear_attn
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, m.config.hidden_size)), jnp.bfloat16)
+    y, st = gdn(x)  # prefill (chunked rule)
+    y1, _ = gdn(x[:, :1], st)  # decode (single-token rule)
+    assert y.dtype == y1.dtype == jnp.bfloat16
+    eng = Engine(m, max_num_seqs=2, max_num_batched_tokens=64, block_size=16, max_model_len=64)
+    eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2))
+    eng.add_request([6], SamplingParams(max_tokens=2))
+    batch = jax.device_put(eng.build_batch(eng.scheduler.schedule()))  # a prefill row and a one-token row
+    xs = jnp.asarray(np.random.default_rng(1).standard_normal((batch.tokens.shape[0], m.config.hidden_size)),
+                     jnp.bfloat16)
+    ys, _ = _gdn(gdn, xs, batch, eng.cache.layers[0])
+    assert ys.dtype == jnp.bfloat16

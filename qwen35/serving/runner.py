@@ -208,7 +208,7 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
     q, k, v = split_heads(y, (Sb,))
     o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
-    o = o_dec[b.tok_row]  # [Tb, Hv, Dv]
+    o = o_dec.astype(x.dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
         c0, s0 = conv0[r], rec0[r]
@@ -224,7 +224,7 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
         o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(), initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
-        o = jnp.where(b.tok_pf[:, None, None], o_pf[b.tok_prow, b.tok_col], o)
+        o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(x.dtype)[b.tok_prow, b.tok_col], o)
     o = gdn.norm(o, z).reshape(T, gdn.value_dim)
     new = GDNState(conv=st.conv.at[b.slots].set(conv_new.astype(st.conv.dtype)),
                    recurrent=st.recurrent.at[b.slots].set(rec_new.astype(st.recurrent.dtype)))
