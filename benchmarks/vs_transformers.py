@@ -7,7 +7,9 @@ Measures prefill tokens/s (batch 4 x 512) and greedy decode tokens/s (batch 4, 6
 this machine's matmul FLOP/s and memory bandwidth (same run), and each figure as a fraction of the roofline it
 implies: prefill is compute-bound (2 x active parameters FLOPs per token, plus attention), decode is memory-bound
 (the bytes of weights the batch touches per step: dense weights + the distinct experts its B·k slots hit).
-Prints a table and saves JSON (results/vs_transformers.json by default).
+The two frameworks are timed in alternation, `--repeats` rounds (each round: both prefills, then both decodes),
+and the best of each figure is kept, so both see the same state of a shared machine. Prints a table and saves
+JSON (results/vs_transformers.json by default) with every round's times.
 """
 
 from __future__ import annotations
@@ -61,24 +63,23 @@ def build_checkpoint(cfg, path: str, seed: int = 0):
     return m
 
 
-def bench_transformers(hm, prompt: np.ndarray, new_tokens: int, repeats: int) -> dict:
+def transformers_runs(hm, prompt: np.ndarray, dprompt: np.ndarray, new_tokens: int) -> dict:
+    """Transformers' timed pieces: prefill() -> seconds; decode() -> (seconds of its new_tokens - 1 cached steps,
+    greedy tokens [B, new_tokens])."""
     import torch
     from transformers.cache_utils import DynamicCache
 
     torch.set_num_threads(os.cpu_count() or 1)
-    ids = torch.from_numpy(prompt)
+    ids, dids = torch.from_numpy(prompt), torch.from_numpy(dprompt)
 
     def prefill():
         with torch.no_grad():
-            return hm(ids, use_cache=False).logits
-
-    prefill()
-    t_pre = min(_t(prefill) for _ in range(repeats))
+            return _t(lambda: hm(ids, use_cache=False).logits)
 
     def decode():
         with torch.no_grad():
             cache = DynamicCache(config=hm.config)
-            out = hm(ids, cache=cache, use_cache=True)
+            out = hm(dids, cache=cache, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             t0 = time.perf_counter()
             toks = [tok]
@@ -88,8 +89,7 @@ def bench_transformers(hm, prompt: np.ndarray, new_tokens: int, repeats: int) ->
                 toks.append(tok)
             return time.perf_counter() - t0, torch.cat(toks, 1).numpy()
 
-    t_dec, toks = decode()
-    return {"prefill_s": t_pre, "decode_s": t_dec, "decode_steps": new_tokens - 1, "tokens": toks}
+    return {"prefill": prefill, "decode": decode}
 
 
 def _t(fn) -> float:
@@ -98,19 +98,45 @@ def _t(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_qwen35(model, prompt: np.ndarray, new_tokens: int, repeats: int) -> dict:
+def qwen35_runs(model, prompt: np.ndarray, dprompt: np.ndarray, new_tokens: int) -> dict:
+    """qwen35's timed pieces, as `transformers_runs`. The whole greedy loop runs in one jitted lax.scan, so the
+    decode time is generate(new_tokens) minus generate(1) (the prefill and first token), each timed once here."""
+    import jax
+
     from qwen35.model import forward_fn
 
     f, params = forward_fn(model)
     ids = jnp.asarray(prompt)
-    t_pre = bench.timeit(lambda: f(params, ids, None)[0], repeats=repeats)["best"]
-    # decode: the whole greedy loop runs in one jitted lax.scan; time it with and without the decode part
-    B, T = prompt.shape
-    gen_full = bench.timeit(lambda: qwen35.generate(model, prompt, new_tokens), repeats=max(1, repeats // 2))["best"]
-    gen_one = bench.timeit(lambda: qwen35.generate(model, prompt, 1), repeats=max(1, repeats // 2))["best"]
-    toks = generate(model, prompt, new_tokens)
-    return {"prefill_s": t_pre, "decode_s": max(gen_full - gen_one, 1e-9), "decode_steps": new_tokens - 1,
-            "tokens": toks}
+
+    def prefill():
+        return _t(lambda: jax.block_until_ready(f(params, ids, None)[0]))
+
+    def decode():
+        full = _t(lambda: generate(model, dprompt, new_tokens))
+        one = _t(lambda: generate(model, dprompt, 1))
+        return max(full - one, 1e-9), generate(model, dprompt, new_tokens)
+
+    prefill(), generate(model, dprompt, new_tokens), generate(model, dprompt, 1)  # compile
+    return {"prefill": prefill, "decode": decode}
+
+
+def measure(runs: dict, repeats: int) -> dict:
+    """Every figure of both frameworks, `repeats` rounds, the frameworks alternating within each round (a shared
+    machine's speed drifts by tens of percent over seconds: interleaving lets both see the same machine); the
+    best of each figure is kept."""
+    pre = {n: [] for n in runs}
+    dec = {n: [] for n in runs}
+    toks = {}
+    for i in range(repeats):
+        for name, r in runs.items():
+            pre[name].append(r["prefill"]())
+        for name, r in runs.items():
+            t, toks[name] = r["decode"]()
+            dec[name].append(t)
+        bench.log(f"  round {i + 1}/{repeats}: " + ", ".join(
+            f"{n} prefill {pre[n][-1]:.2f} s, decode {dec[n][-1]:.2f} s" for n in runs))
+    return {n: {"prefill_s": min(pre[n]), "decode_s": min(dec[n]), "prefill_all_s": pre[n], "decode_all_s": dec[n],
+                "tokens": toks[n]} for n in runs}
 
 
 def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_prompt_len: int, repeats: int,
@@ -125,26 +151,30 @@ def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_pro
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
     dprompt = prompt[:, :decode_prompt_len]
-    bench.log(f"[{preset}] transformers (eager, {torch.get_num_threads()} threads)")
-    ref = bench_transformers(hm, prompt, new_tokens, repeats)
-    ref_dec = bench_transformers(hm, dprompt, new_tokens, 1)
-    bench.log(f"[{preset}] qwen35 (jit)")
-    ours = bench_qwen35(model, prompt, new_tokens, repeats)
-    ours_dec = bench_qwen35(model, dprompt, new_tokens, repeats)
-    same = float(np.mean(ours_dec["tokens"][:, : ref_dec["tokens"].shape[1]] == ref_dec["tokens"]))
+    bench.log(f"[{preset}] warming up transformers (eager, {torch.get_num_threads()} threads) and qwen35 (jit: "
+              "compiling)")
+    runs = {"transformers": transformers_runs(hm, prompt, dprompt, new_tokens),
+            "qwen35": qwen35_runs(model, prompt, dprompt, new_tokens)}
+    runs["transformers"]["prefill"](), runs["transformers"]["decode"]()
+    bench.log(f"[{preset}] timing, {repeats} rounds")
+    m = measure(runs, repeats)
+    same = float(np.mean(m["qwen35"]["tokens"] == m["transformers"]["tokens"]))
 
     flops_tok = prefill_flops_per_token(cfg, prompt_len)
     dbytes = decode_bytes_per_step(cfg, batch)
     roof_prefill = peak / flops_tok  # tokens/s if compute-bound at the measured matmul peak
     roof_decode = bw / dbytes * batch  # tokens/s if every step only streams the touched weights
     rows = {}
-    for name, r, rd in (("transformers", ref, ref_dec), ("qwen35", ours, ours_dec)):
+    steps = new_tokens - 1  # cached decode steps timed (the first new token comes from the prefill)
+    for name, r in m.items():
         pre_tps = batch * prompt_len / r["prefill_s"]
-        dec_tps = batch * rd["decode_steps"] / rd["decode_s"]
+        dec_tps = batch * steps / r["decode_s"]
         rows[name] = {
             "prefill_tokens_per_s": pre_tps,
             "decode_tokens_per_s": dec_tps,
-            "decode_ms_per_step": 1e3 * rd["decode_s"] / rd["decode_steps"],
+            "decode_ms_per_step": 1e3 * r["decode_s"] / steps,
+            "prefill_s_all": [round(t, 4) for t in r["prefill_all_s"]],
+            "decode_ms_per_step_all": [round(1e3 * t / steps, 2) for t in r["decode_all_s"]],
             "prefill_frac_of_roofline": pre_tps / roof_prefill,
             "decode_frac_of_roofline": dec_tps / roof_decode,
         }
