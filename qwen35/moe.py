@@ -39,7 +39,7 @@ the time of one read of all 32 experts' weights; deduplicating the experts (a lo
 on all N tokens) and `fori_loop` variants measured the same or slower. How each slot's two products are written
 matters on CPU: as vector @ matrix.T, XLA fuses the expert slice, the transpose and the product into one loop
 fusion reading the weights in place; as matrix @ vector it copied the expert's weights out, then ran a dot
-(in a scan harness of 8 layers with their own weights: 1.1 against 1.6 ms per layer at N = 4; in `generate` on
+(in a scan harness of 8 layers with their own weights: 1.0 against 1.6 ms per layer at N = 4; in `generate` on
 the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles, tiles of 256 or 512
 rows were slower than 128 (more padding), 64 no better, and a transposed [E, H, 2I] weight copy no faster.
 """

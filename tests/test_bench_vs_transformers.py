@@ -5,9 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("transformers", reason="the parity extra (torch, transformers) is installed in CI")
+import torch  # noqa: F401  (the parity extra, installed by .ci/run: like test_parity.py, fail loudly without it)
+import transformers  # noqa: F401
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "vs_transformers.py"
 
