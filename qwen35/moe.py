@@ -21,16 +21,22 @@ Expert paths (all `(x [N,H], weights [N,k], experts [N,k], gate_up, down) -> y [
 grouped-matmul kernel replaces. It has two methods:
   * "ragged_dot": `jax.lax.ragged_dot_general` straight on the HF [E, 2I, H] layout (no weight transpose). The
     right call on GPU/TPU, where XLA lowers it to a grouped GEMM; on CPU it is lowered to slow loops.
-  * "tiles": pad every group to a multiple of a row tile tm (`tile_rows`: 128 rows, fewer when the experts get
-    few rows each), so each tile belongs to one expert, then a `lax.scan` over tiles does one dense
-    [tm, H] x [H, 2I] matmul per tile with that expert's weights (tiles past the last used one are skipped by
-    `lax.cond`). This is the megablox/gmm schedule written in plain JAX.
+  * "tiles": row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over
+    every group's whole tiles of tm rows (`tile_rows`: 128, fewer when the experts get few rows each), then
+    one over each group's remaining rows in tiles of tr rows (`remainder_rows`: tm/2 from tm = 64 up), each tile one dense
+    [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the tiles in use are skipped by
+    `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a second, smaller tile for
+    the ragged ends: a group wastes fewer than tr rows of work instead of fewer than tm.
 The default ("auto") is "tiles" on CPU and "ragged_dot" elsewhere. `benchmarks/moe.py` at N=4096, H=512, E=32,
 k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took 0.8–1.1 s against
 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took 1.2 s; the
 grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower than the
 dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
 GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost.
+(Those figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter
+of the expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with the
+remainder pass, 0.95x at 2 x 512, the same at 1 x 512, where the tiles are 32 rows and no remainder pass is
+smaller; one process, interleaved, same logits.)
 
 Decode (`experts_gather`, N·k <= E): one `lax.scan` step per slot, slicing that slot's expert. On the `small`
 preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
@@ -40,7 +46,7 @@ on all N tokens) and `fori_loop` variants measured the same or slower. How each 
 matters on CPU: as vector @ matrix.T, XLA fuses the expert slice, the transpose and the product into one loop
 fusion reading the weights in place; as matrix @ vector it copied the expert's weights out, then ran a dot
 (in a scan harness of 8 layers with their own weights: 1.0 against 1.6 ms per layer at N = 4; in `generate` on
-the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles, tiles of 256 or 512
+the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles (then padded to whole tiles), tiles of 256 or 512
 rows were slower than 128 (more padding), 64 no better, and a transposed [E, H, 2I] weight copy no faster.
 """
 
@@ -66,6 +72,7 @@ __all__ = [
     "experts_capacity",
     "grouped_swiglu",
     "tile_rows",
+    "remainder_rows",
     "sort_by_expert",
     "capacity",
     "CapacityStats",
@@ -200,12 +207,13 @@ def _grouped_ragged(x_sorted, group_sizes, gate_up, down):
 
 
 def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
-    """The row tile `_grouped_tiles` uses for M sorted rows over E experts: half the rows an expert gets on average,
-    rounded down to a power of two, between 8 and `tile` (and at most M).
+    """The full row tile `_grouped_tiles` uses for M sorted rows over E experts: half the rows an expert gets on
+    average, rounded down to a power of two, between 8 and `tile` (and at most M).
 
-    Every non-empty group is padded to whole tiles, so a tile much larger than a group mostly multiplies zeros
-    (and still reads the expert's weights once per tile); much smaller tiles run the matmuls less efficiently.
-    Measured (`small` preset's experts, E=32, k=4, H=512, I=256, fp32, 2-core CPU, jitted, ms per call), by
+    A group's rows past its whole tiles run in remainder tiles (`remainder_rows`), so a tile much larger than a
+    group mostly multiplies rows that are not its own (and still reads the expert's weights once per tile); much
+    smaller tiles run the matmuls less efficiently. Measured when every group was padded to whole tiles of this
+    size (`small` preset's experts, E=32, k=4, H=512, I=256, fp32, 2-core CPU, jitted, ms per call), by
     average rows per expert: 2 rows: tile 8 7.9, 128 21.7; 8: tile 8 10.9, 128 40.9; 32: tile 16 22.7, 32 20.5,
     128 37.8; 64: tile 32 39.3, 64 38.7, 128 45.1; 128: tile 64 50.0, 128 67.5; 256 (a 4 x 512 prefill): 128 best,
     64 no better, 256 and 512 slower."""
@@ -213,36 +221,78 @@ def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
     return max(1, min(tile, M, max(8, 1 << (avg_half.bit_length() - 1))))
 
 
+def remainder_rows(tm: int) -> int:
+    """The row tile of the remainder pass of `_grouped_tiles` for full tiles of tm rows: tm/2 from tm = 64 up, else
+    tm. Each group's last rows (fewer than tm) go through tiles this size, so a group wastes fewer than tm/2 rows,
+    not fewer than tm; smaller tiles than that run their matmuls less efficiently than they save (measured on the
+    `small` preset's 4 x 512 prefill, tm = 128: remainder tiles of 16 and 32 rows no faster than padding, 64 rows
+    0.89x the expert time)."""
+    return tm // 2 if tm >= 64 else tm
+
+
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
-    """Pad each group to a multiple of the row tile (`tile_rows`, at most `tile`); scan over tiles, one expert's
-    dense matmul per tile."""
+    """Two `lax.scan`s over row tiles of the sorted rows, one expert's dense SwiGLU per tile, read and written in
+    place (no padded copy of the rows):
+
+      1. full tiles: every whole tile of tm rows (`tile_rows`) inside a group;
+      2. remainder tiles: a group's last rows (fewer than tm) in tiles of tr = `remainder_rows(tm)` rows; the last
+         one runs past the group's end into the next group's rows (or zero padding past M), and only its own
+         rows are written back.
+
+    Both loops have a static bound (M/tm full tiles; M/tr + E remainder tiles, at most E·tm/tr) and skip the
+    iterations past the ones in use with `lax.cond`. A group wastes fewer than tr rows of matmul work (padding
+    every group to whole tm-row tiles wasted fewer than tm: a quarter of the expert FLOPs of the `small` preset's
+    4 x 512 prefill, where groups average 256 rows and tm = 128)."""
     M, H = x_sorted.shape
     E = gate_up.shape[0]
     tm = tile_rows(M, E, tile)
+    tr = remainder_rows(tm)
     gs = group_sizes.astype(jnp.int32)
-    padded = (gs + tm - 1) // tm * tm  # [E] rows each group takes in the padded layout
-    starts = jnp.cumsum(gs) - gs  # [E] first sorted row of each group
-    pstarts = jnp.cumsum(padded) - padded  # [E] first padded row of each group
-    n_tiles = -(-M // tm) + min(E, M)  # static bound: Σ ceil(g/tm) <= M/tm + (#non-empty groups)
-    rows = jnp.arange(M, dtype=jnp.int32)
-    row_group = jnp.searchsorted(jnp.cumsum(gs), rows, side="right")  # group of each sorted row
-    dest = pstarts[row_group] + rows - starts[row_group]  # padded row of each sorted row
-    x_pad = jnp.zeros((n_tiles * tm, H), x_sorted.dtype).at[dest].set(x_sorted)
-    tile_start = jnp.arange(n_tiles, dtype=jnp.int32) * tm
-    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), tile_start, side="right"), E - 1)
-    n_used = jnp.sum(padded) // tm
+    ends = jnp.cumsum(gs)
+    starts = ends - gs  # [E] first sorted row of each group
+    full = gs // tm  # [E] whole tiles in each group
+    rem = (gs - full * tm + tr - 1) // tr  # [E] remainder tiles in each group
 
-    def one_tile(_, xs):
-        m, e, x_t = xs
+    def schedule(per_group, n):  # tile j -> (its group, its index within the group), for n tiles (static bound)
+        j = jnp.arange(n, dtype=jnp.int32)
+        first = jnp.cumsum(per_group) - per_group
+        g = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_group), j, side="right"), E - 1)
+        return j, g, j - first[g], jnp.sum(per_group)
 
-        def compute(x_t):
-            h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [tm, 2I]
-            return jnp.einsum("ti,hi->th", _swiglu(h), down[e])  # [tm, H]
+    def mlp(x_t, e):
+        h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [rows, 2I]
+        return jnp.einsum("ti,hi->th", _swiglu(h), down[e])  # [rows, H]
 
-        return None, jax.lax.cond(m < n_used, compute, jnp.zeros_like, x_t)
+    x_pad = jnp.concatenate([x_sorted, jnp.zeros((tr, H), x_sorted.dtype)])  # a remainder tile may run past M
+    y = jnp.zeros((M + tr, H), x_sorted.dtype)
 
-    _, y_pad = jax.lax.scan(one_tile, None, (jnp.arange(n_tiles), tile_expert, x_pad.reshape(n_tiles, tm, H)))
-    return y_pad.reshape(n_tiles * tm, H)[dest]
+    def full_tile(y, xs):
+        j, e, i, used = xs
+        row = starts[e] + i * tm
+
+        def compute(y):
+            return jax.lax.dynamic_update_slice_in_dim(y, mlp(jax.lax.dynamic_slice_in_dim(x_pad, row, tm), e), row, 0)
+
+        return jax.lax.cond(j < used, compute, lambda y: y, y), None
+
+    j, g, i, used = schedule(full, M // tm)
+    y, _ = jax.lax.scan(full_tile, y, (j, g, i, jnp.broadcast_to(used, j.shape)))
+
+    def remainder_tile(y, xs):
+        j, e, i, used = xs
+        row = starts[e] + full[e] * tm + i * tr
+
+        def compute(y):
+            out = mlp(jax.lax.dynamic_slice_in_dim(x_pad, row, tr), e)
+            own = (row + jnp.arange(tr, dtype=jnp.int32) < ends[e])[:, None]  # rows of this group only
+            return jax.lax.dynamic_update_slice_in_dim(
+                y, jnp.where(own, out, jax.lax.dynamic_slice_in_dim(y, row, tr)), row, 0)
+
+        return jax.lax.cond(j < used, compute, lambda y: y, y), None
+
+    j, g, i, used = schedule(rem, min(E * -(-tm // tr), -(-M // tr) + min(E, M)))
+    y, _ = jax.lax.scan(remainder_tile, y, (j, g, i, jnp.broadcast_to(used, j.shape)))
+    return y[:M]
 
 
 @functools.partial(jax.jit, static_argnames=("method", "tile"))

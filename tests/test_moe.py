@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from flax import nnx
 from helpers import assert_close, to_torch
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
@@ -127,10 +129,12 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
         assert_close(jax.jit(fn)(x, w, e, gu, dn), ref, atol=2e-5, name=name)
 
 
-@pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1]])
+@pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738]])
 def test_grouped_swiglu_methods_agree(rng, group_sizes):
-    """With small groups the tile loop runs 8-row tiles, with large ones (300 rows per expert on average) 128-row
-    tiles (`tile_rows`); both against numpy, per group."""
+    """With small groups the tile loop runs 8-row tiles, with large ones 64- and 128-row full tiles (`tile_rows`)
+    and 32- and 64-row remainder tiles (`remainder_rows`): groups of whole tiles plus a remainder, groups smaller
+    than a remainder tile, a remainder tile running into the next group's rows (700 = 5·128 + 60, then 63) and one
+    running past the last row (738 = 5·128 + 98: two remainder tiles); all against numpy, per group."""
     E, H, I = 5, 12, 8
     gu, dn = expert_weights(rng, E, H, I)
     group_sizes = np.array(group_sizes, np.int32)
@@ -143,6 +147,45 @@ def test_grouped_swiglu_methods_agree(rng, group_sizes):
     for method, tile in [("tiles", 128), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
         y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
         assert_close(y, ref, atol=2e-5, name=f"{method} tile {tile}")
+
+
+def _grouped_reference(xs, group_sizes, gu, dn):
+    """numpy, group by group (float64)."""
+    I = dn.shape[-1]
+    h = np.zeros(xs.shape, np.float64)
+    start = 0
+    for e, n in enumerate(group_sizes):
+        x = xs[start:start + n].astype(np.float64)
+        a = x @ gu[e].T.astype(np.float64)
+        g, u = a[:, :I], a[:, I:]
+        h[start:start + n] = (g / (1 + np.exp(-g)) * u) @ dn[e].T.astype(np.float64)
+        start += n
+    return h
+
+
+_TILES_M, _TILES_E = 1100, 4  # 137 rows per expert on average: 128-row full tiles, 64-row remainder tiles
+_tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(0, _TILES_M), min_size=_TILES_E - 1, max_size=_TILES_E - 1))
+def test_grouped_tiles_any_group_sizes(cuts):
+    """Any split of 1,100 sorted rows over 4 experts (empty groups, groups of a few rows, groups of whole tiles,
+    one group holding everything) gives numpy's per-group result: group sizes are data, so every example runs
+    the same compiled program, with a different tile schedule."""
+    edges = np.array([0, *sorted(cuts), _TILES_M])
+    group_sizes = np.diff(edges).astype(np.int32)
+    rng = np.random.default_rng(int(edges.sum()))
+    gu, dn = expert_weights(rng, _TILES_E, 8, 4)
+    xs = rng.standard_normal((_TILES_M, 8)).astype(np.float32)
+    assert moe.tile_rows(_TILES_M, _TILES_E) == 128 and moe.remainder_rows(128) == 64
+    assert_close(_tiles_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
+                 name=f"group sizes {group_sizes.tolist()}")
+
+
+def test_remainder_rows():
+    """Half a full tile from 64 rows up, else the full tile itself."""
+    assert [moe.remainder_rows(t) for t in (1, 5, 8, 16, 32, 64, 128)] == [1, 5, 8, 16, 32, 32, 64]
 
 
 def test_tile_rows():
