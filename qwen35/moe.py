@@ -23,10 +23,10 @@ grouped-matmul kernel replaces. It has two methods:
     right call on GPU/TPU, where XLA lowers it to a grouped GEMM; on CPU it is lowered to slow loops.
   * "tiles": row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over
     every group's whole tiles of tm rows (`tile_rows`: 128, fewer when the experts get few rows each), then
-    one over each group's remaining rows in tiles of tr rows (`remainder_rows`: tm/2 from tm = 64 up), each tile one dense
-    [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the tiles in use are skipped by
-    `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a second, smaller tile for
-    the ragged ends: a group wastes fewer than tr rows of work instead of fewer than tm.
+    one over each group's remaining rows in tiles of tr rows (`remainder_rows`: tm/2 from tm = 64 up), each
+    tile one dense [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the tiles in use are
+    skipped by `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a second, smaller
+    tile for the ragged ends: a group wastes fewer than tr rows of work instead of fewer than tm.
 The default ("auto") is "tiles" on CPU and "ragged_dot" elsewhere. `benchmarks/moe.py` at N=4096, H=512, E=32,
 k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took 0.8–1.1 s against
 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took 1.2 s; the
@@ -46,8 +46,9 @@ on all N tokens) and `fori_loop` variants measured the same or slower. How each 
 matters on CPU: as vector @ matrix.T, XLA fuses the expert slice, the transpose and the product into one loop
 fusion reading the weights in place; as matrix @ vector it copied the expert's weights out, then ran a dot
 (in a scan harness of 8 layers with their own weights: 1.0 against 1.6 ms per layer at N = 4; in `generate` on
-the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles (then padded to whole tiles), tiles of 256 or 512
-rows were slower than 128 (more padding), 64 no better, and a transposed [E, H, 2I] weight copy no faster.
+the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles (when every
+group was padded to whole tiles), tiles of 256 or 512 rows were slower than 128 (more padding), 64 no better,
+and a transposed [E, H, 2I] weight copy no faster.
 """
 
 from __future__ import annotations
