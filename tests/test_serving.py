@@ -234,6 +234,20 @@ def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference):
     assert_all_free(engine)
 
 
+def test_prefill_block_lengths(model):
+    """A step's prefill block is as long as its longest chunk rounded up to 16, 32, 64, then 256, 1024, ... (at most
+    the token budget): a 5-token prompt gets a block of 16, not 64."""
+    from qwen35.serving.engine import _block_len
+
+    assert [_block_len(n) for n in (2, 16, 17, 32, 33, 64, 65, 256, 257)] == [16, 16, 32, 32, 64, 64, 256, 256, 1024]
+    for lens, Lb in (([5], 16), ([5, 20], 32), ([40], 64)):
+        engine = make_engine(model, 4, 16)
+        for n in lens:
+            engine.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=2))
+        batch = engine.build_batch(engine.scheduler.schedule())
+        assert batch.gather_idx.shape[1] == Lb and batch.gather_valid.sum() == sum(lens)
+
+
 def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
     """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows
     again as a causal [Sp, Lb] block over their own new K/V and, for chunks that continue a sequence, its context
