@@ -253,12 +253,13 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
     starts = ends - gs  # [E] first sorted row of each group
     full = gs // tm  # [E] whole tiles in each group
     rem = (gs - full * tm + tr - 1) // tr  # [E] remainder tiles in each group
+    n_full, n_rem = jnp.sum(full), jnp.sum(rem)  # tiles in use
 
-    def schedule(per_group, n):  # tile j -> (its group, its index within the group), for n tiles (static bound)
+    def schedule(per_group, n):  # tile j -> (j, its group, its index within the group), n tiles (a static bound)
         j = jnp.arange(n, dtype=jnp.int32)
         first = jnp.cumsum(per_group) - per_group
         g = jnp.minimum(jnp.searchsorted(jnp.cumsum(per_group), j, side="right"), E - 1)
-        return j, g, j - first[g], jnp.sum(per_group)
+        return j, g, j - first[g]
 
     def mlp(x_t, e):
         h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [rows, 2I]
@@ -268,19 +269,18 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
     y = jnp.zeros((M + tr, H), x_sorted.dtype)
 
     def full_tile(y, xs):
-        j, e, i, used = xs
+        j, e, i = xs
         row = starts[e] + i * tm
 
         def compute(y):
             return jax.lax.dynamic_update_slice_in_dim(y, mlp(jax.lax.dynamic_slice_in_dim(x_pad, row, tm), e), row, 0)
 
-        return jax.lax.cond(j < used, compute, lambda y: y, y), None
+        return jax.lax.cond(j < n_full, compute, lambda y: y, y), None
 
-    j, g, i, used = schedule(full, M // tm)
-    y, _ = jax.lax.scan(full_tile, y, (j, g, i, jnp.broadcast_to(used, j.shape)))
+    y, _ = jax.lax.scan(full_tile, y, schedule(full, M // tm))
 
     def remainder_tile(y, xs):
-        j, e, i, used = xs
+        j, e, i = xs
         row = starts[e] + full[e] * tm + i * tr
 
         def compute(y):
@@ -289,10 +289,9 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
             return jax.lax.dynamic_update_slice_in_dim(
                 y, jnp.where(own, out, jax.lax.dynamic_slice_in_dim(y, row, tr)), row, 0)
 
-        return jax.lax.cond(j < used, compute, lambda y: y, y), None
+        return jax.lax.cond(j < n_rem, compute, lambda y: y, y), None
 
-    j, g, i, used = schedule(rem, min(E * -(-tm // tr), -(-M // tr) + min(E, M)))
-    y, _ = jax.lax.scan(remainder_tile, y, (j, g, i, jnp.broadcast_to(used, j.shape)))
+    y, _ = jax.lax.scan(remainder_tile, y, schedule(rem, min(E * -(-tm // tr), -(-M // tr) + min(E, M))))
     return y[:M]
 
 

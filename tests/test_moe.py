@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from flax import nnx
 from helpers import assert_close, to_torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 import qwen35
@@ -139,11 +139,7 @@ def test_grouped_swiglu_methods_agree(rng, group_sizes):
     gu, dn = expert_weights(rng, E, H, I)
     group_sizes = np.array(group_sizes, np.int32)
     xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
-    starts = np.concatenate([[0], np.cumsum(group_sizes)[:-1]])
-    ref = np.zeros(xs.shape)
-    for e in range(E):
-        rows = slice(starts[e], starts[e] + group_sizes[e])
-        ref[rows] = numpy_moe(xs[rows], np.ones((group_sizes[e], 1)), np.full((group_sizes[e], 1), e), gu, dn)
+    ref = _grouped_reference(xs, group_sizes, gu, dn)
     for method, tile in [("tiles", 128), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
         y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
         assert_close(y, ref, atol=2e-5, name=f"{method} tile {tile}")
