@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     bench.log("measuring this machine: matmul peak and memory bandwidth")
     peak = bench.matmul_peak(1024 if a.quick else 2048)
     bw = bench.memory_bandwidth(64 * 2**20 if a.quick else 256 * 2**20)
-    bench.log(f"fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory {bw / 1e9:.1f} GB/s")
+    bench.log(f"{bench.cpu_model()}, {os.cpu_count()} cores: fp32 matmul {peak / 1e9:.1f} GFLOP/s, memory "
+              f"{bw / 1e9:.1f} GB/s")
     out = {"machine": bench.machine_info(), "matmul_flops": peak, "memory_bytes_per_s": bw, "runs": []}
     for preset in presets:
         res = run(preset, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, decode_prompt_len=dprompt,

@@ -54,9 +54,23 @@ def memory_bandwidth(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
     return n_bytes / t
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (from /proc/cpuinfo on Linux, else `platform.processor()`): the same benchmark can
+    rank two libraries differently on different CPUs (e.g. MKL, which torch uses, on an AMD EPYC vs an Intel Xeon)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine_info() -> dict[str, Any]:
     d = jax.devices()[0]
     return {
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
