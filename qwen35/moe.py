@@ -22,7 +22,7 @@ grouped-matmul kernel replaces. It has two methods:
   * "ragged_dot": `jax.lax.ragged_dot_general` straight on the HF [E, 2I, H] layout (no weight transpose). The
     right call on GPU/TPU, where XLA lowers it to a grouped GEMM; on CPU it is lowered to slow loops.
   * "tiles": row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over
-    every group's whole tiles of tm rows (`tile_rows`: 128, fewer when the experts get few rows each), then
+    every group's whole tiles of tm rows (`tile_rows`: the average rows per expert as a power of two, 8 to 128), then
     one over each group's remaining rows in tiles of tr rows (`remainder_rows`: tm/2 from tm = 64 up), each
     tile one dense [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the tiles in use are
     skipped by `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a second, smaller
@@ -208,18 +208,20 @@ def _grouped_ragged(x_sorted, group_sizes, gate_up, down):
 
 
 def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
-    """The full row tile `_grouped_tiles` uses for M sorted rows over E experts: half the rows an expert gets on
+    """The full row tile `_grouped_tiles` uses for M sorted rows over E experts: the rows an expert gets on
     average, rounded down to a power of two, between 8 and `tile` (and at most M).
 
     A group's rows past its whole tiles run in remainder tiles (`remainder_rows`), so a tile much larger than a
     group mostly multiplies rows that are not its own (and still reads the expert's weights once per tile); much
-    smaller tiles run the matmuls less efficiently. Measured when every group was padded to whole tiles of this
-    size (`small` preset's experts, E=32, k=4, H=512, I=256, fp32, 2-core CPU, jitted, ms per call), by
-    average rows per expert: 2 rows: tile 8 7.9, 128 21.7; 8: tile 8 10.9, 128 40.9; 32: tile 16 22.7, 32 20.5,
-    128 37.8; 64: tile 32 39.3, 64 38.7, 128 45.1; 128: tile 64 50.0, 128 67.5; 256 (a 4 x 512 prefill): 128 best,
-    64 no better, 256 and 512 slower."""
-    avg_half = max(1, M // (2 * max(E, 1)))
-    return max(1, min(tile, M, max(8, 1 << (avg_half.bit_length() - 1))))
+    smaller tiles run more, less efficient matmuls. Measured with the remainder tiles (`small` preset's experts,
+    E=32, H=512, I=256, uniform random routing, fp32, 2-core CPU, jitted, best of 4 interleaved rounds, ms), at
+    M = 512 / 1,024 / 2,048 / 4,096 / 8,192 rows: half the average (the rule until 2026-12) 11.0 / 13.7 / 19.5 /
+    28.1 / 53.7, the average 8.4 / 13.0 / 16.8 / 27.5 / 55.4 (the same tile, 128, at 8,192: noise). Earlier, when
+    every group was padded to whole tiles: by average rows per expert, 2 rows: tile 8 7.9, 128 21.7; 8: tile 8
+    10.9, 128 40.9; 32: tile 16 22.7, 32 20.5, 128 37.8; 64: tile 32 39.3, 64 38.7, 128 45.1; 128: tile 64 50.0,
+    128 67.5; 256 (a 4 x 512 prefill): 128 best, 64 no better, 256 and 512 slower."""
+    avg = max(1, M // max(E, 1))
+    return max(1, min(tile, M, max(8, 1 << (avg.bit_length() - 1))))
 
 
 def remainder_rows(tm: int) -> int:

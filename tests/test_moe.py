@@ -131,8 +131,8 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
 
 @pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738]])
 def test_grouped_swiglu_methods_agree(rng, group_sizes):
-    """With small groups the tile loop runs 8-row tiles, with large ones 64- and 128-row full tiles (`tile_rows`)
-    and 32- and 64-row remainder tiles (`remainder_rows`): groups of whole tiles plus a remainder, groups smaller
+    """Full tiles of 8, 16, 64 and 128 rows (`tile_rows`, capped by `tile`) with remainder tiles of 8, 16, 32 and 64
+    rows (`remainder_rows`): groups of whole tiles plus a remainder, groups smaller
     than a remainder tile, a remainder tile running into the next group's rows (700 = 5·128 + 60, then 63) and one
     running past the last row (738 = 5·128 + 98: two remainder tiles); all against numpy, per group."""
     E, H, I = 5, 12, 8
@@ -140,7 +140,7 @@ def test_grouped_swiglu_methods_agree(rng, group_sizes):
     group_sizes = np.array(group_sizes, np.int32)
     xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
     ref = _grouped_reference(xs, group_sizes, gu, dn)
-    for method, tile in [("tiles", 128), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
+    for method, tile in [("tiles", 128), ("tiles", 64), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
         y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
         assert_close(y, ref, atol=2e-5, name=f"{method} tile {tile}")
 
@@ -185,14 +185,16 @@ def test_remainder_rows():
 
 
 def test_tile_rows():
-    """Half the average rows per expert, as a power of two in [8, tile], never above M."""
+    """The average rows per expert, as a power of two in [8, tile], never above M."""
     assert moe.tile_rows(64, 32) == 8  # 2 rows per expert: the floor
-    assert moe.tile_rows(2048, 32) == 32  # 64 rows per expert
-    assert moe.tile_rows(4096, 32) == 64
-    assert moe.tile_rows(8192, 32) == 128  # the small preset's 4 x 512 prefill, k = 4
+    assert moe.tile_rows(512, 32) == 16  # a 128-token prefill's 512 slots, k = 4
+    assert moe.tile_rows(2048, 32) == 64  # 64 rows per expert
+    assert moe.tile_rows(3000, 32) == 64  # 93 rows per expert: rounded down
+    assert moe.tile_rows(4096, 32) == 128
+    assert moe.tile_rows(8192, 32) == 128  # the small preset's 4 x 512 prefill, k = 4: capped
     assert moe.tile_rows(8192, 32, tile=64) == 64 and moe.tile_rows(10**6, 8) == 128
     assert moe.tile_rows(5, 32) == 5  # never more rows than there are
-    assert moe.tile_rows(140, 5) == 8 and moe.tile_rows(901, 5) == 64 and moe.tile_rows(1501, 5) == 128
+    assert moe.tile_rows(140, 5) == 16 and moe.tile_rows(901, 5) == 128 and moe.tile_rows(1501, 5) == 128
 
 
 def test_capacity_drops_counted(rng):
