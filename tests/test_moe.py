@@ -129,12 +129,15 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
         assert_close(jax.jit(fn)(x, w, e, gu, dn), ref, atol=2e-5, name=name)
 
 
-@pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738]])
+@pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738],
+                                         [900, 0, 0, 0, 20]])
 def test_grouped_swiglu_methods_agree(rng, group_sizes):
     """Full tiles of 8, 16, 64 and 128 rows (`tile_rows`, capped by `tile`) with remainder tiles of 8, 16, 32 and 64
     rows (`remainder_rows`): groups of whole tiles plus a remainder, groups smaller
-    than a remainder tile, a remainder tile running into the next group's rows (700 = 5·128 + 60, then 63) and one
-    running past the last row (738 = 5·128 + 98: two remainder tiles); all against numpy, per group."""
+    than a remainder tile, a remainder tile running into the next group's rows (700 = 5·128 + 60, then 63), one
+    that would run past the last row (738 = 5·128 + 98: two remainder tiles, the second shifted back to end at the
+    last row) and a last group smaller than a remainder tile, whose tile starts inside the previous group's rows
+    (20 rows after 900); all against numpy, per group."""
     E, H, I = 5, 12, 8
     gu, dn = expert_weights(rng, E, H, I)
     group_sizes = np.array(group_sizes, np.int32)
