@@ -22,11 +22,12 @@ grouped-matmul kernel replaces. It has two methods:
   * "ragged_dot": `jax.lax.ragged_dot_general` straight on the HF [E, 2I, H] layout (no weight transpose). The
     right call on GPU/TPU, where XLA lowers it to a grouped GEMM; on CPU it is lowered to slow loops.
   * "tiles": row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over
-    every group's whole tiles of tm rows (`tile_rows`: the average rows per expert as a power of two, 8 to 128), then
-    one over each group's remaining rows in tiles of tr rows (`remainder_rows`: tm/2 from tm = 64 up), each
-    tile one dense [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the tiles in use are
-    skipped by `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a second, smaller
-    tile for the ragged ends: a group wastes fewer than tr rows of work instead of fewer than tm.
+    every group's whole tiles of tm rows (`tile_rows`: the average rows per expert as a power of two, 8 to 256),
+    then each group's remaining rows as one more tile, the smallest of tm, tm/2, ... (`remainder_tiles`) that
+    holds them; each tile one dense [rows, H] x [H, 2I] SwiGLU with its expert's weights (loop steps past the
+    tiles in use are skipped by `lax.cond`). This is the megablox/gmm schedule written in plain JAX, with a few
+    smaller tile sizes for the ragged ends: a group wastes less than half of its last tile instead of up to tm - 1
+    rows, at one matmul more per group than its whole tiles.
 The default ("auto") is "tiles" on CPU and "ragged_dot" elsewhere. `benchmarks/moe.py` at N=4096, H=512, E=32,
 k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took 0.8–1.1 s against
 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took 1.2 s; the
@@ -34,9 +35,9 @@ grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which 
 dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
 GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost.
 (Those figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter
-of the expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with the
-remainder pass, 0.95x at 2 x 512, the same at 1 x 512, where the tiles are 32 rows and no remainder pass is
-smaller; one process, interleaved, same logits.)
+of the expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with remainder
+tiles of 64 rows, as many as each group needed; one process, interleaved, same logits. One remainder tile per
+group, sized to fit, with 256-row full tiles, then took 0.94x the time of that: see `remainder_tiles`.)
 
 Decode (`experts_gather`, N·k <= E): one `lax.scan` step per slot, slicing that slot's expert. On the `small`
 preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
@@ -73,7 +74,7 @@ __all__ = [
     "experts_capacity",
     "grouped_swiglu",
     "tile_rows",
-    "remainder_rows",
+    "remainder_tiles",
     "sort_by_expert",
     "capacity",
     "CapacityStats",
@@ -89,7 +90,7 @@ __all__ = [
 
 IMPLS = ("dense", "sorted", "capacity")
 GROUPED_METHODS = ("auto", "tiles", "ragged_dot")
-DEFAULT_TILE = 128
+DEFAULT_TILE = 256
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -211,12 +212,13 @@ def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
     """The full row tile `_grouped_tiles` uses for M sorted rows over E experts: the rows an expert gets on
     average, rounded down to a power of two, between 8 and `tile` (and at most M).
 
-    A group's rows past its whole tiles run in remainder tiles (`remainder_rows`), so a tile much larger than a
+    A group's rows past its whole tiles run in one smaller tile (`remainder_tiles`), so a tile much larger than a
     group mostly multiplies rows that are not its own (and still reads the expert's weights once per tile); much
-    smaller tiles run more, less efficient matmuls. Measured with the remainder tiles (`small` preset's experts,
+    smaller tiles run more, less efficient matmuls. Measured with tm/2-row remainder tiles (`small` preset's experts,
     E=32, H=512, I=256, uniform random routing, fp32, 2-core CPU, jitted, best of 4 interleaved rounds, ms), at
     M = 512 / 1,024 / 2,048 / 4,096 / 8,192 rows: half the average (the rule until 2026-12) 11.0 / 13.7 / 19.5 /
-    28.1 / 53.7, the average 8.4 / 13.0 / 16.8 / 27.5 / 55.4 (the same tile, 128, at 8,192: noise). Earlier, when
+    28.1 / 53.7, the average 8.4 / 13.0 / 16.8 / 27.5 / 55.4 (the same tile, 128, at 8,192: noise); with one
+    remainder tile per group sized to fit, 256 rows at M = 8,192 (the default `tile` was 128 until then). Earlier, when
     every group was padded to whole tiles: by average rows per expert, 2 rows: tile 8 7.9, 128 21.7; 8: tile 8
     10.9, 128 40.9; 32: tile 16 22.7, 32 20.5, 128 37.8; 64: tile 32 39.3, 64 38.7, 128 45.1; 128: tile 64 50.0,
     128 67.5; 256 (a 4 x 512 prefill): 128 best, 64 no better, 256 and 512 slower."""
@@ -224,38 +226,49 @@ def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
     return max(1, min(tile, M, max(8, 1 << (avg.bit_length() - 1))))
 
 
-def remainder_rows(tm: int) -> int:
-    """The row tile of the remainder pass of `_grouped_tiles` for full tiles of tm rows: tm/2 from tm = 64 up, else
-    tm. Each group's last rows (fewer than tm) go through tiles this size, so a group wastes fewer than tm/2 rows,
-    not fewer than tm; smaller tiles than that run their matmuls less efficiently than they save (measured on the
-    `small` preset's 4 x 512 prefill, tm = 128: remainder tiles of 16 and 32 rows no faster than padding, 64 rows
-    0.89x the expert time)."""
-    return tm // 2 if tm >= 64 else tm
+def remainder_tiles(tm: int) -> tuple[int, ...]:
+    """The row tiles a group's remainder (its last rows, fewer than tm) may take besides a full tm tile: tm/2, tm/4,
+    ... down to max(8, tm/16); none below 16. Each group runs its remainder as ONE tile, the smallest of tm and
+    these that holds it, so a group costs one matmul more than its whole tiles and wastes less than half of that
+    last tile. Fewer, larger matmuls beat less padding on CPU: measured on the `small` preset's experts (E=32,
+    H=512, I=256, jitted, best of 4 interleaved rounds, ms), tiles of 32 / 64 / 128 / 256 / 512 rows over 8,192
+    rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul: 31.7), about 0.1 ms more per tile than per row;
+    the whole `small` prefill (4 x 512) took 0.94x the time of remainder tiles of a fixed tm/2 rows, as many as a
+    group needed (and 2 x 512 the same), with the same logits."""
+    floor = max(8, tm // 16)
+    out, t = [], tm // 2
+    while t >= floor:
+        out.append(t)
+        t //= 2
+    return tuple(out)
 
 
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
-    """Two `lax.scan`s over row tiles of the sorted rows, one expert's dense SwiGLU per tile, read and written in
-    place (no padded copy of the rows):
+    """`lax.scan`s over row tiles of the sorted rows, one expert's dense SwiGLU per tile, read and written in place
+    (no padded copy of the rows):
 
       1. full tiles: every whole tile of tm rows (`tile_rows`) inside a group;
-      2. remainder tiles: a group's last rows (fewer than tm) in tiles of tr = `remainder_rows(tm)` rows; the last
-         one runs past the group's end into the next group's rows (or, at the end of the rows, starts earlier so
-         that it ends at row M), and only its own rows are written back.
+      2. one remainder tile per group that has a remainder r (0 < r < tm): the smallest of tm and
+         `remainder_tiles(tm)` that holds r, one loop per tile size. It runs past the group's end into the next
+         group's rows (or, at the end of the rows, starts earlier so that it ends at row M), and only its own
+         rows are written back.
 
-    Both loops have a static bound (M/tm full tiles; M/tr + E remainder tiles, at most E·tm/tr) and skip the
-    iterations past the ones in use with `lax.cond`. A group wastes fewer than tr rows of matmul work (padding
-    every group to whole tm-row tiles wasted fewer than tm: a quarter of the expert FLOPs of the `small` preset's
-    4 x 512 prefill, where groups average 256 rows and tm = 128)."""
+    Every loop has a static bound (M/tm full tiles; at most one remainder tile per group) and skips the iterations
+    past the ones in use with `lax.cond`. A group wastes less than half of its remainder tile (padding every group
+    to whole tm-row tiles wasted up to tm - 1 rows: a quarter of the expert FLOPs of the `small` preset's
+    4 x 512 prefill with tm = 128)."""
     M, H = x_sorted.shape
     E = gate_up.shape[0]
     tm = tile_rows(M, E, tile)
-    tr = remainder_rows(tm)
+    sizes = (tm, *remainder_tiles(tm))
     gs = group_sizes.astype(jnp.int32)
     ends = jnp.cumsum(gs)
     starts = ends - gs  # [E] first sorted row of each group
     full = gs // tm  # [E] whole tiles in each group
-    rem = (gs - full * tm + tr - 1) // tr  # [E] remainder tiles in each group
-    n_full, n_rem = jnp.sum(full), jnp.sum(rem)  # tiles in use
+    r = gs - full * tm  # [E] rows left after them
+    size_class = jnp.zeros_like(r)  # [E] index into `sizes` of the remainder tile: the smallest that holds r
+    for c in range(1, len(sizes)):
+        size_class = jnp.where(r <= sizes[c], c, size_class)
 
     def schedule(per_group, n):  # tile j -> (j, its group, its index within the group), n tiles (a static bound)
         j = jnp.arange(n, dtype=jnp.int32)
@@ -267,37 +280,43 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
         h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [rows, 2I]
         return jnp.einsum("ti,hi->th", _swiglu(h), down[e])  # [rows, H]
 
-    # No padded copies of the rows or the result. Padding x and y by tr rows and slicing y back (copies of [M, H]
-    # arrays) made `grouped_swiglu` on its own 1.25-1.33x slower at M = 8192 (the `small` preset's 4 x 512 prefill);
-    # inside the whole model the time was the same (XLA fuses those copies into the gather and scatter around it).
+    # No padded copies of the rows or the result (padding x and y by a tile and slicing y back copies [M, H] arrays;
+    # the whole `small` 4 x 512 prefill took 0.98-1.06x the time with them in four interleaved runs: noise level).
     y = jnp.zeros((M, H), x_sorted.dtype)
+    n_full = jnp.sum(full)
 
     def full_tile(y, xs):
         j, e, i = xs
         row = starts[e] + i * tm
 
         def compute(y):
-            return jax.lax.dynamic_update_slice_in_dim(y, mlp(jax.lax.dynamic_slice_in_dim(x_sorted, row, tm), e), row, 0)
+            out = mlp(jax.lax.dynamic_slice_in_dim(x_sorted, row, tm), e)
+            return jax.lax.dynamic_update_slice_in_dim(y, out, row, 0)
 
         return jax.lax.cond(j < n_full, compute, lambda y: y, y), None
 
     y, _ = jax.lax.scan(full_tile, y, schedule(full, M // tm))
 
-    def remainder_tile(y, xs):
-        j, e, i = xs
-        row = starts[e] + full[e] * tm + i * tr
+    for c, t in enumerate(sizes):
+        takes = ((r > 0) & (size_class == c)).astype(jnp.int32)  # [E] 1 where the group's remainder takes size t
+        n_used = jnp.sum(takes)
 
-        def compute(y):
-            at = jnp.minimum(row, M - tr)  # a tile that would run past row M starts earlier (tr <= tm <= M)
-            pos = at + jnp.arange(tr, dtype=jnp.int32)
-            out = mlp(jax.lax.dynamic_slice_in_dim(x_sorted, at, tr), e)
-            own = ((pos >= row) & (pos < ends[e]))[:, None]  # this tile's rows of this group only
-            return jax.lax.dynamic_update_slice_in_dim(
-                y, jnp.where(own, out, jax.lax.dynamic_slice_in_dim(y, at, tr)), at, 0)
+        def remainder_tile(y, xs, t=t, n_used=n_used):
+            j, e, _ = xs
+            row = starts[e] + full[e] * tm
 
-        return jax.lax.cond(j < n_rem, compute, lambda y: y, y), None
+            def compute(y):
+                at = jnp.minimum(row, M - t)  # a tile that would run past row M starts earlier (t <= tm <= M)
+                pos = at + jnp.arange(t, dtype=jnp.int32)
+                out = mlp(jax.lax.dynamic_slice_in_dim(x_sorted, at, t), e)
+                own = ((pos >= row) & (pos < ends[e]))[:, None]  # this tile's rows of this group only
+                return jax.lax.dynamic_update_slice_in_dim(
+                    y, jnp.where(own, out, jax.lax.dynamic_slice_in_dim(y, at, t)), at, 0)
 
-    y, _ = jax.lax.scan(remainder_tile, y, schedule(rem, min(E * -(-tm // tr), -(-M // tr) + min(E, M))))
+            return jax.lax.cond(j < n_used, compute, lambda y: y, y), None
+
+        least = sizes[c + 1] + 1 if c + 1 < len(sizes) else 1  # rows in a remainder of this size class, at least
+        y, _ = jax.lax.scan(remainder_tile, y, schedule(takes, min(E, M // least)))
     return y
 
 

@@ -132,12 +132,12 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
 @pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738],
                                          [900, 0, 0, 0, 20]])
 def test_grouped_swiglu_methods_agree(rng, group_sizes):
-    """Full tiles of 8, 16, 64 and 128 rows (`tile_rows`, capped by `tile`) with remainder tiles of 8, 16, 32 and 64
-    rows (`remainder_rows`): groups of whole tiles plus a remainder, groups smaller
-    than a remainder tile, a remainder tile running into the next group's rows (700 = 5·128 + 60, then 63), one
-    that would run past the last row (738 = 5·128 + 98: two remainder tiles, the second shifted back to end at the
-    last row) and a last group smaller than a remainder tile, whose tile starts inside the previous group's rows
-    (20 rows after 900); all against numpy, per group."""
+    """Full tiles of 8 to 256 rows (`tile_rows`, capped by `tile`), each group's remainder in one tile of the
+    smallest size that holds it (`remainder_tiles`): groups of whole tiles plus a remainder, groups smaller than a
+    tile, a remainder tile running into the next groups' rows (700 = 2·256 + 188, then 63), one that would run
+    past the last row (738 = 2·256 + 226: shifted back to end at the last row) and a last group smaller than its
+    tile, which starts inside the previous group's rows (20 rows after 900, in a 32-row tile); all against numpy,
+    per group."""
     E, H, I = 5, 12, 8
     gu, dn = expert_weights(rng, E, H, I)
     group_sizes = np.array(group_sizes, np.int32)
@@ -162,7 +162,7 @@ def _grouped_reference(xs, group_sizes, gu, dn):
     return h
 
 
-_TILES_M, _TILES_E = 1100, 4  # 137 rows per expert on average: 128-row full tiles, 64-row remainder tiles
+_TILES_M, _TILES_E = 1100, 4  # 275 rows per expert on average: 256-row full tiles, remainders in 256 down to 16
 _tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
 
 
@@ -177,14 +177,17 @@ def test_grouped_tiles_any_group_sizes(cuts):
     rng = np.random.default_rng(int(edges.sum()))
     gu, dn = expert_weights(rng, _TILES_E, 8, 4)
     xs = rng.standard_normal((_TILES_M, 8)).astype(np.float32)
-    assert moe.tile_rows(_TILES_M, _TILES_E) == 128 and moe.remainder_rows(128) == 64
+    assert moe.tile_rows(_TILES_M, _TILES_E) == 256 and moe.remainder_tiles(256) == (128, 64, 32, 16)
     assert_close(_tiles_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
                  name=f"group sizes {group_sizes.tolist()}")
 
 
-def test_remainder_rows():
-    """Half a full tile from 64 rows up, else the full tile itself."""
-    assert [moe.remainder_rows(t) for t in (1, 5, 8, 16, 32, 64, 128)] == [1, 5, 8, 16, 32, 32, 64]
+def test_remainder_tiles():
+    """tm/2, tm/4, ... down to max(8, tm/16); none below 16."""
+    assert moe.remainder_tiles(256) == (128, 64, 32, 16)
+    assert moe.remainder_tiles(128) == (64, 32, 16, 8)
+    assert moe.remainder_tiles(16) == (8,)
+    assert [moe.remainder_tiles(t) for t in (1, 5, 8, 15)] == [()] * 4
 
 
 def test_tile_rows():
@@ -194,10 +197,28 @@ def test_tile_rows():
     assert moe.tile_rows(2048, 32) == 64  # 64 rows per expert
     assert moe.tile_rows(3000, 32) == 64  # 93 rows per expert: rounded down
     assert moe.tile_rows(4096, 32) == 128
-    assert moe.tile_rows(8192, 32) == 128  # the small preset's 4 x 512 prefill, k = 4: capped
-    assert moe.tile_rows(8192, 32, tile=64) == 64 and moe.tile_rows(10**6, 8) == 128
+    assert moe.tile_rows(8192, 32) == 256  # the small preset's 4 x 512 prefill, k = 4
+    assert moe.tile_rows(8192, 32, tile=64) == 64 and moe.tile_rows(10**6, 8) == 256  # capped
     assert moe.tile_rows(5, 32) == 5  # never more rows than there are
-    assert moe.tile_rows(140, 5) == 16 and moe.tile_rows(901, 5) == 128 and moe.tile_rows(1501, 5) == 128
+    assert moe.tile_rows(140, 5) == 16 and moe.tile_rows(901, 5) == 128 and moe.tile_rows(1501, 5) == 256
+
+
+_FEW_M, _FEW_E = 40, 16  # 2 rows per expert: 8-row tiles, larger than the average group
+_few_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(experts=st.lists(st.integers(0, _FEW_E - 1), min_size=_FEW_M, max_size=_FEW_M))
+def test_grouped_tiles_many_small_groups(experts):
+    """More experts than the rows allow whole tiles for: up to 16 groups with a remainder each (more than M / 8
+    tiles of 8 rows), against numpy."""
+    group_sizes = np.bincount(experts, minlength=_FEW_E).astype(np.int32)
+    rng = np.random.default_rng(int(group_sizes @ np.arange(_FEW_E)))
+    gu, dn = expert_weights(rng, _FEW_E, 8, 4)
+    xs = rng.standard_normal((_FEW_M, 8)).astype(np.float32)
+    assert moe.tile_rows(_FEW_M, _FEW_E) == 8 and moe.remainder_tiles(8) == ()
+    assert_close(_few_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
+                 name=f"group sizes {group_sizes.tolist()}")
 
 
 def test_capacity_drops_counted(rng):
