@@ -7,8 +7,8 @@ Measures prefill tokens/s (batch 4 x 512) and greedy decode tokens/s (batch 4, 6
 this machine's matmul FLOP/s and memory bandwidth (same run), and each figure as a fraction of the roofline it
 implies: prefill is compute-bound (2 x active parameters FLOPs per token, plus attention), decode is memory-bound
 (the bytes of weights the batch touches per step: dense weights + the distinct experts its B·k slots hit).
-The two frameworks are timed in alternation, `--repeats` rounds (each round: both prefills, then both decodes),
-and the best of each figure is kept, so both see the same state of a shared machine. Prints a table and saves
+The two frameworks are timed in alternation, `--repeats` rounds (each round: each framework's prefill twice in a
+row, then both decodes), and the best of each figure is kept, so both see the same state of a shared machine. Prints a table and saves
 JSON (results/vs_transformers.json by default) with every round's times.
 """
 
@@ -122,21 +122,23 @@ def qwen35_runs(model, prompt: np.ndarray, dprompt: np.ndarray, new_tokens: int)
     return {"prefill": prefill, "decode": decode}
 
 
-def measure(runs: dict, repeats: int) -> dict:
+def measure(runs: dict, repeats: int, prefill_samples: int = 2) -> dict:
     """Every figure of both frameworks, `repeats` rounds, the frameworks alternating within each round (a shared
     machine's speed drifts by tens of percent over seconds: interleaving lets both see the same machine); the
-    best of each figure is kept."""
+    best of each figure is kept. Each round times each framework's prefill `prefill_samples` times in a row
+    (seconds each; one decode is several seconds), so the best prefill comes from more samples."""
     pre = {n: [] for n in runs}
     dec = {n: [] for n in runs}
     toks = {}
     for i in range(repeats):
         for name, r in runs.items():
-            pre[name].append(r["prefill"]())
+            pre[name] += [r["prefill"]() for _ in range(prefill_samples)]
         for name, r in runs.items():
             t, toks[name] = r["decode"]()
             dec[name].append(t)
         bench.log(f"  round {i + 1}/{repeats}: " + ", ".join(
-            f"{n} prefill {pre[n][-1]:.2f} s, decode {dec[n][-1]:.2f} s" for n in runs))
+            f"{n} prefill {' / '.join(f'{t:.2f}' for t in pre[n][-prefill_samples:])} s, decode {dec[n][-1]:.2f} s"
+            for n in runs))
     return {n: {"prefill_s": min(pre[n]), "decode_s": min(dec[n]), "prefill_all_s": pre[n], "decode_all_s": dec[n],
                 "tokens": toks[n]} for n in runs}
 
