@@ -8,8 +8,8 @@ this machine's matmul FLOP/s and memory bandwidth (same run), and each figure as
 implies: prefill is compute-bound (2 x active parameters FLOPs per token, plus attention), decode is memory-bound
 (the bytes of weights the batch touches per step: dense weights + the distinct experts its B·k slots hit).
 The two frameworks are timed in alternation, `--repeats` rounds (each round: each framework's prefill twice in a
-row, then both decodes), and the best of each figure is kept, so both see the same state of a shared machine. Prints a table and saves
-JSON (results/vs_transformers.json by default) with every round's times.
+row, then both decodes), and the best of each figure is kept, so both see the same state of a shared machine.
+Prints a table and saves JSON (results/vs_transformers.json by default) with every round's times.
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/
 (Those figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter
 of the expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with remainder
 tiles of 64 rows, as many as each group needed; one process, interleaved, same logits. One remainder tile per
-group, sized to fit, with 256-row full tiles, then took 0.94x the time of that: see `remainder_tiles`.)
+group, sized to fit, with 256-row full tiles, then took 0.90-1.01x the time of that (median 0.96x): see
+`remainder_tiles`.)
 
 Decode (`experts_gather`, N·k <= E): one `lax.scan` step per slot, slicing that slot's expert. On the `small`
 preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
@@ -230,9 +231,9 @@ def remainder_tiles(tm: int) -> tuple[int, ...]:
     """The row tiles a group's remainder (its last rows, fewer than tm) may take besides a full tm tile: tm/2, tm/4,
     ... down to max(8, tm/16); none below 16. Each group runs its remainder as ONE tile, the smallest of tm and
     these that holds it, so a group costs one matmul more than its whole tiles and wastes less than half of that
-    last tile. Fewer, larger matmuls beat less padding on CPU: measured on the `small` preset's experts (E=32,
-    H=512, I=256, jitted, best of 4 interleaved rounds, ms), tiles of 32 / 64 / 128 / 256 / 512 rows over 8,192
-    rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul: 31.7), about 0.1 ms more per tile than per row.
+    last tile (or, in the smallest tile, fewer than its rows). Fewer, larger matmuls beat less padding on CPU:
+    measured on the `small` preset's experts (E=32, H=512, I=256, jitted, best of 4 interleaved rounds, ms), tiles
+    of 32 / 64 / 128 / 256 / 512 rows over 8,192 rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul: 31.7), about 0.1 ms more per tile than per row.
     Against remainder tiles of a fixed tm/2 rows, as many as a group needed (and full tiles of at most 128 rows),
     the whole `small` prefill took 0.90-1.01x the time at 4 x 512 (six in-model runs, median ratio 0.96), 0.90x at
     2 x 512, 0.91x at 1 x 512 and 0.95x at 1 x 128, with the same logits."""
@@ -255,9 +256,9 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
          rows are written back.
 
     Every loop has a static bound (M/tm full tiles; at most one remainder tile per group) and skips the iterations
-    past the ones in use with `lax.cond`. A group wastes less than half of its remainder tile (padding every group
-    to whole tm-row tiles wasted up to tm - 1 rows: a quarter of the expert FLOPs of the `small` preset's
-    4 x 512 prefill with tm = 128)."""
+    past the ones in use with `lax.cond`. A group wastes less than half of its remainder tile, or fewer rows than
+    the smallest tile size has (padding every group to whole tm-row tiles wasted up to tm - 1 rows: a quarter of
+    the expert FLOPs of the `small` preset's 4 x 512 prefill with tm = 128)."""
     M, H = x_sorted.shape
     E = gate_up.shape[0]
     tm = tile_rows(M, E, tile)
