@@ -233,10 +233,11 @@ def remainder_tiles(tm: int) -> tuple[int, ...]:
     these that holds it, so a group costs one matmul more than its whole tiles and wastes less than half of that
     last tile (or, in the smallest tile, fewer than its rows). Fewer, larger matmuls beat less padding on CPU:
     measured on the `small` preset's experts (E=32, H=512, I=256, jitted, best of 4 interleaved rounds, ms), tiles
-    of 32 / 64 / 128 / 256 / 512 rows over 8,192 rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul: 31.7), about 0.1 ms more per tile than per row.
-    Against remainder tiles of a fixed tm/2 rows, as many as a group needed (and full tiles of at most 128 rows),
-    the whole `small` prefill took 0.90-1.01x the time at 4 x 512 (six in-model runs, median ratio 0.96), 0.90x at
-    2 x 512, 0.91x at 1 x 512 and 0.95x at 1 x 128, with the same logits."""
+    of 32 / 64 / 128 / 256 / 512 rows over 8,192 rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul:
+    31.7), about 0.1 ms more per tile than per row. Against remainder tiles of a fixed tm/2 rows, as many as a
+    group needed (and full tiles of at most 128 rows), the whole `small` prefill took 0.90-1.01x the time at
+    4 x 512 (six in-model runs, median ratio 0.96), 0.90x at 2 x 512, 0.91x at 1 x 512 and 0.95x at 1 x 128, with
+    the same logits."""
     floor = max(8, tm // 16)
     out, t = [], tm // 2
     while t >= floor:
