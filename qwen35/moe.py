@@ -40,7 +40,9 @@ tiles of 64 rows, as many as each group needed; one process, interleaved, same l
 group, sized to fit, with 256-row full tiles, then took 0.90-1.01x the time of that (median 0.96x): see
 `remainder_tiles`.)
 
-Decode (`experts_gather`, N·k <= E): one `lax.scan` step per slot, slicing that slot's expert. On the `small`
+Decode (`experts_gather`, N·k <= E): one matrix-vector pair per slot, slicing that slot's expert, written out
+per slot up to `GATHER_UNROLL_MAX` slots so XLA runs them concurrently (0.83-0.87x the decode step of a
+`lax.scan` over the slots at B = 4 and 8), a `lax.scan` beyond. On the `small`
 preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
 layer against 8–15 ms for gathering all 16 experts' weights into fresh [M, 2I, H] / [M, H, I] buffers, and about
 the time of one read of all 32 experts' weights; deduplicating the experts (a loop over the distinct ones, each
@@ -48,7 +50,10 @@ on all N tokens) and `fori_loop` variants measured the same or slower. How each 
 matters on CPU: as vector @ matrix.T, XLA fuses the expert slice, the transpose and the product into one loop
 fusion reading the weights in place; as matrix @ vector it copied the expert's weights out, then ran a dot
 (in a scan harness of 8 layers with their own weights: 1.0 against 1.6 ms per layer at N = 4; in `generate` on
-the `small` preset, 0.92x the decode step time, one process, same tokens). For the prefill tiles (when every
+the `small` preset, 0.92x the decode step time, one process, same tokens). Each product runs at about 25-34 GB/s
+of weights read, near this host's memory bandwidth, but it is not memory-bound: with every slot on the same 4
+experts (cache-resident) a layer took the same 1.1 ms as with 13 distinct ones, and ordering the slots by expert
+(so repeats hit the cache) changed nothing. For the prefill tiles (when every
 group was padded to whole tiles), tiles of 256 or 512 rows were slower than 128 (more padding), 64 no better,
 and a transposed [E, H, 2I] weight copy no faster.
 """
@@ -72,6 +77,7 @@ __all__ = [
     "experts_dense",
     "experts_sorted",
     "experts_gather",
+    "GATHER_UNROLL_MAX",
     "experts_capacity",
     "grouped_swiglu",
     "tile_rows",
@@ -368,27 +374,40 @@ def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", 
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
 
 
-@jax.jit
-def experts_gather(x, weights, experts, gate_up, down):
+# Up to this many slots (N·k), `experts_gather` writes one product pair per slot (unrolled) rather than a scan.
+# Unrolled, the slots' products are independent ops that XLA's CPU runtime runs concurrently on its threads; in a
+# scan they run one after another. In-model, `small` preset, 32 greedy decode steps in one jitted scan (AOT
+# programs, interleaved, median of 8-10 rounds): B = 4 (16 slots) 0.86-0.87x the step time of the scan, B = 8
+# (32 slots) 0.83x, B = 1 (4 slots) 0.98x; a scan unrolled by 8 (two iterations of 8 slots) gained nothing. The
+# bound keeps the program small for large configurations (the released model's 10 slots per token).
+GATHER_UNROLL_MAX = 64
+
+
+@functools.partial(jax.jit, static_argnames=("max_unrolled",))
+def experts_gather(x, weights, experts, gate_up, down, *, max_unrolled: int = GATHER_UNROLL_MAX):
     """Decode-sized batches: M = N·k small matrix-vector products, one per slot, each with its expert's weights.
 
     Reads only the experts the slots use, with no sort or padding; the right schedule when M = N·k is at most
-    about E (a decode step), where the weight reads dominate. A `lax.scan` over the slots slices one expert's
-    [2I, H] and [H, I] per step (a cache-sized copy) instead of gathering all M experts' weights at once, which
-    would write — and on CPU page-fault in — fresh [M, 2I, H] and [M, H, I] buffers every call."""
+    about E (a decode step), where the weight reads dominate. Each slot slices its expert's [2I, H] and [H, I]
+    in place; gathering all M experts' weights at once instead would write — and on CPU page-fault in — fresh
+    [M, 2I, H] and [M, H, I] buffers every call. Up to `max_unrolled` slots the products are written out one per
+    slot (independent ops, run concurrently: see `GATHER_UNROLL_MAX`); more slots go through a `lax.scan`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
     dtype = x.dtype
 
-    def one_slot(_, slot):
-        e, x_m = slot
+    def one_slot(e, x_m):
         # Written as vector @ matrix.T ([1, H] @ [H, 2I]), XLA's CPU backend emits each product as one loop fusion
         # that reads the expert's rows in place; matrix @ vector copied the expert's weights out first, then ran a
         # separate dot: 1.65x the time for the small preset's decode-step MoE (N = 4, 13 experts of 32, 8 layers).
         h = x_m[None] @ gate_up[e].astype(dtype).T  # [1, 2I]
-        return None, (_swiglu(h) @ down[e].astype(dtype).T)[0]  # [H]
+        return (_swiglu(h) @ down[e].astype(dtype).T)[0]  # [H]
 
-    _, y = jax.lax.scan(one_slot, None, (experts.reshape(-1), jnp.repeat(x, k, axis=0)))  # [M, H]
+    slots = experts.reshape(-1)  # slot m = (token m // k, its (m % k)-th expert)
+    if N * k <= max_unrolled:
+        y = jnp.stack([one_slot(slots[m], x[m // k]) for m in range(N * k)])  # [M, H]
+    else:
+        _, y = jax.lax.scan(lambda _, s: (None, one_slot(*s)), None, (slots, jnp.repeat(x, k, axis=0)))
     return jnp.sum(y.reshape(N, k, H) * weights.astype(dtype)[..., None], axis=1)
 
 

@@ -118,6 +118,18 @@ def test_paths_equal_numpy(rng, path, N, H, E, k, I, skip):
     assert_close(y, numpy_moe(x, w, e, gu, dn), atol=2e-5, name=path)
 
 
+@pytest.mark.parametrize("max_unrolled", [0, moe.GATHER_UNROLL_MAX])
+def test_gather_scan_and_unrolled(rng, max_unrolled):
+    """Both schedules of experts_gather (a scan over the slots; the slots written out one by one) against numpy,
+    with repeated experts across tokens."""
+    N, H, E, k, I = 6, 24, 8, 3, 10
+    x, w, e, gu, dn = routed_inputs(rng, N, H, E, k, I)
+    e[1] = e[0]  # two tokens on the same experts
+    assert N * k <= moe.GATHER_UNROLL_MAX  # the default unrolls this batch
+    y = moe.experts_gather(x, w, e, gu, dn, max_unrolled=max_unrolled)
+    assert_close(y, numpy_moe(x, w, e, gu, dn), atol=2e-5, name=f"gather max_unrolled={max_unrolled}")
+
+
 def test_paths_agree_under_jit_and_skewed_routing(rng):
     """Every token sends a slot to expert 0 (one full group, several empty ones), all paths jitted."""
     N, H, E, k, I = 300, 16, 16, 2, 8
