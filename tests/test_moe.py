@@ -175,6 +175,7 @@ def _grouped_reference(xs, group_sizes, gu, dn):
 
 
 _TILES_M, _TILES_E = 1100, 4  # 275 rows per expert on average: 256-row full tiles, remainders in 256 down to 16
+_FEW_M, _FEW_E = 40, 16  # 2 rows per expert: 8-row tiles, larger than the average group
 _tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
 
 
@@ -192,6 +193,39 @@ def test_grouped_tiles_any_group_sizes(cuts):
     assert moe.tile_rows(_TILES_M, _TILES_E) == 256 and moe.remainder_tiles(256) == (128, 64, 32, 16)
     assert_close(_tiles_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
                  name=f"group sizes {group_sizes.tolist()}")
+
+
+_sorted_tiles_fn = jax.jit(lambda *a: moe.experts_sorted(*a, method="tiles"))
+
+
+@settings(max_examples=15, deadline=None)
+@given(cuts=st.lists(st.integers(0, _TILES_M), min_size=_TILES_E - 1, max_size=_TILES_E - 1))
+def test_sorted_tiles_any_group_sizes(cuts):
+    """experts_sorted with tiles, which gathers and scatter-adds inside each tile: 1,100 tokens (k = 1) split
+    over 4 experts in any proportion, in shuffled token order, against the per-token numpy loop."""
+    edges = np.array([0, *sorted(cuts), _TILES_M])
+    group_sizes = np.diff(edges)
+    rng = np.random.default_rng(int(edges.sum()) + 1)
+    gu, dn = expert_weights(rng, _TILES_E, 8, 4)
+    x = rng.standard_normal((_TILES_M, 8)).astype(np.float32)
+    e = rng.permutation(np.repeat(np.arange(_TILES_E), group_sizes)).astype(np.int32)[:, None]
+    w = rng.uniform(0.1, 1.0, (_TILES_M, 1)).astype(np.float32)
+    assert_close(_sorted_tiles_fn(x, w, e, gu, dn), numpy_moe(x, w, e, gu, dn), atol=2e-5,
+                 name=f"group sizes {group_sizes.tolist()}")
+
+
+@settings(max_examples=15, deadline=None)
+@given(experts=st.lists(st.integers(0, _FEW_E - 1), min_size=_FEW_M, max_size=_FEW_M))
+def test_sorted_tiles_many_small_groups(experts):
+    """experts_sorted with tiles when most groups are smaller than a tile: each remainder tile reaches into its
+    neighbours' rows, whose tokens it must not add to (k = 1, 40 tokens, 16 experts)."""
+    e = np.array(experts, np.int32)[:, None]
+    rng = np.random.default_rng(int(e.sum()) + 1)
+    gu, dn = expert_weights(rng, _FEW_E, 8, 4)
+    x = rng.standard_normal((_FEW_M, 8)).astype(np.float32)
+    w = rng.uniform(0.1, 1.0, (_FEW_M, 1)).astype(np.float32)
+    assert_close(_sorted_tiles_fn(x, w, e, gu, dn), numpy_moe(x, w, e, gu, dn), atol=2e-5,
+                 name=f"experts {experts}")
 
 
 def test_remainder_tiles():
@@ -215,7 +249,6 @@ def test_tile_rows():
     assert moe.tile_rows(140, 5) == 16 and moe.tile_rows(901, 5) == 128 and moe.tile_rows(1501, 5) == 256
 
 
-_FEW_M, _FEW_E = 40, 16  # 2 rows per expert: 8-row tiles, larger than the average group
 _few_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
 
 
