@@ -315,11 +315,10 @@ def _tile_loops(carry, group_sizes, M: int, E: int, tile: int, run_tile):
     return carry
 
 
-def _tile_mlp(gate_up, down):
-    def mlp(x_t, e):  # one tile's rows through expert e's dense SwiGLU
-        h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [rows, 2I]
-        return jnp.einsum("ti,hi->th", _swiglu(h), down[e])  # [rows, H]
-    return mlp
+def _tile_swiglu(x_t, e, gate_up, down):
+    """One tile's rows x_t [rows, H] through expert e's dense SwiGLU -> [rows, H]."""
+    h = jnp.einsum("th,ih->ti", x_t, gate_up[e])  # [rows, 2I]
+    return jnp.einsum("ti,hi->th", _swiglu(h), down[e])
 
 
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
@@ -328,10 +327,9 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
     tile and slicing y back copies [M, H] arrays; the whole `small` 4 x 512 prefill took 0.98-1.06x the time with
     them in four interleaved runs: noise level)."""
     M, H = x_sorted.shape
-    mlp = _tile_mlp(gate_up, down)
 
     def run_tile(y, at, t, e, own):
-        out = mlp(jax.lax.dynamic_slice_in_dim(x_sorted, at, t), e)
+        out = _tile_swiglu(jax.lax.dynamic_slice_in_dim(x_sorted, at, t), e, gate_up, down)
         if own is not None:
             out = jnp.where(own[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, t))
         return jax.lax.dynamic_update_slice_in_dim(y, out, at, 0)
@@ -343,14 +341,14 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     """`experts_sorted` with the "tiles" method, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert, and adds its own rows times their routing weights into the
     [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output (each a fresh k-times-the-
-    tokens buffer that is written, then read once): the `small` preset's 4 x 512 prefill took 0.91-0.95x the time
-    of gather, `grouped_swiglu`, scatter-add (in-model A/B, AOT programs, interleaved; same logits within 1e-5)."""
+    tokens buffer that is written, then read once): against gather, `grouped_swiglu`, scatter-add, the whole `small`
+    prefill took 0.95-0.98x the time at 4 x 512 (medians of three in-model A/Bs, AOT programs, interleaved),
+    0.95x at 1 x 512 and 1.00x at 1 x 128, with logits within 1.2e-5."""
     N, H = x.shape
-    mlp = _tile_mlp(gate_up, down)
 
     def run_tile(out, at, t, e, own):
         idx = jax.lax.dynamic_slice_in_dim(token, at, t)
-        y = mlp(x[idx], e) * jax.lax.dynamic_slice_in_dim(w_sorted, at, t)[:, None]
+        y = _tile_swiglu(x[idx], e, gate_up, down) * jax.lax.dynamic_slice_in_dim(w_sorted, at, t)[:, None]
         if own is not None:  # rows of the next group (or the previous one) go nowhere: index N is dropped
             idx = jnp.where(own, idx, N)
         return out.at[idx].add(y, mode="drop")
@@ -406,7 +404,7 @@ def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", 
         return jnp.zeros_like(x)
     if (_default_method() if method == "auto" else method) == "tiles":  # gather and scatter-add inside the tiles
         return _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up.astype(x.dtype), down.astype(x.dtype),
-                                   tile).astype(x.dtype)
+                                   tile)
     x_sorted = x[token]  # [M, H]
     y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, method=method, tile=tile)
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])

@@ -249,9 +249,6 @@ def test_tile_rows():
     assert moe.tile_rows(140, 5) == 16 and moe.tile_rows(901, 5) == 128 and moe.tile_rows(1501, 5) == 256
 
 
-_few_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
-
-
 @settings(max_examples=15, deadline=None)
 @given(experts=st.lists(st.integers(0, _FEW_E - 1), min_size=_FEW_M, max_size=_FEW_M))
 def test_grouped_tiles_many_small_groups(experts):
@@ -262,7 +259,7 @@ def test_grouped_tiles_many_small_groups(experts):
     gu, dn = expert_weights(rng, _FEW_E, 8, 4)
     xs = rng.standard_normal((_FEW_M, 8)).astype(np.float32)
     assert moe.tile_rows(_FEW_M, _FEW_E) == 8 and moe.remainder_tiles(8) == ()
-    assert_close(_few_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
+    assert_close(_tiles_fn(xs, group_sizes, gu, dn), _grouped_reference(xs, group_sizes, gu, dn), atol=2e-5,
                  name=f"group sizes {group_sizes.tolist()}")
 
 
