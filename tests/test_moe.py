@@ -141,6 +141,20 @@ def test_paths_agree_under_jit_and_skewed_routing(rng):
         assert_close(jax.jit(fn)(x, w, e, gu, dn), ref, atol=2e-5, name=name)
 
 
+@pytest.mark.parametrize("N, k, E", [(2048, 4, 32), (37, 3, 5), (1, 1, 1), (512, 4, 2**20)])
+def test_sort_by_expert_is_stable_argsort(rng, N, k, E):
+    """The sorted order is numpy's stable argsort of the expert ids (token order inside each group), whether it
+    comes from one int32 key per slot or, when E·M does not fit in int32 (E = 2**20 here), from `argsort`; the
+    group sizes are the counts."""
+    experts = rng.integers(0, min(E, 40), (N, k)).astype(np.int32)
+    if E == 2**20:
+        assert (E + 1) * N * k >= 2**31  # the argsort branch
+        experts[::7] += E - 40  # ids near the top of the range
+    order, group_sizes = moe.sort_by_expert(jnp.asarray(experts), E)
+    np.testing.assert_array_equal(np.asarray(order), np.argsort(experts.reshape(-1), kind="stable"))
+    np.testing.assert_array_equal(np.asarray(group_sizes), np.bincount(experts.reshape(-1), minlength=E))
+
+
 @pytest.mark.parametrize("group_sizes", [[0, 7, 0, 130, 3], [600, 0, 0, 300, 1], [700, 0, 0, 63, 738],
                                          [900, 0, 0, 0, 20]])
 def test_grouped_swiglu_methods_agree(rng, group_sizes):
