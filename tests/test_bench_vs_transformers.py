@@ -27,4 +27,5 @@ def test_vs_transformers_quick_runs_and_agrees(tmp_path, capsys):
         assert len(r["decode_ms_per_step_all"]) == 1 and len(r["prefill_s_all"]) == 2  # --quick: one round
         assert 0 < r["prefill_frac_of_roofline"] and 0 < r["decode_frac_of_roofline"]
     assert run["speedup_decode"] > 0 and run["speedup_prefill"] > 0
+    assert run["speedup_decode_median"] > 0 and run["speedup_prefill_median"] > 0
     assert "qwen35 / transformers: prefill x" in capsys.readouterr().out  # the table was printed
