@@ -425,10 +425,11 @@ def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", 
 
 
 # Up to this many slots (N·k), `experts_gather` writes one product pair per slot (unrolled) rather than a scan.
-# Unrolled, the slots' products are independent ops that XLA's CPU runtime runs concurrently on its threads; in a
-# scan they run one after another. In-model, `small` preset, 32 greedy decode steps in one jitted scan (AOT
-# programs, interleaved, median of 8-10 rounds): B = 4 (16 slots) 0.86-0.87x the step time of the scan, B = 8
-# (32 slots) 0.83x, B = 1 (4 slots) 0.98x; a scan unrolled by 8 (two iterations of 8 slots) gained nothing. The
+# Unrolled, the slots' products are independent ops that XLA's CPU runtime spreads over its threads; in a scan they
+# run one after another. In-model, `small` preset, 32 greedy decode steps in one jitted scan (AOT programs,
+# interleaved, median of 8-10 rounds): B = 4 (16 slots) 0.86-0.87x the step time of the scan, B = 8 (32 slots)
+# 0.83x, B = 1 (4 slots) 0.98x; a scan unrolled by 8 (two iterations of 8 slots) gained nothing. The gain needs the
+# second core: 8 layers of a B = 4 gather took 0.88-0.93x the scan's time on 2 cores, 0.92-1.01x on one. The
 # bound keeps the program small for large configurations (the released model's 10 slots per token).
 GATHER_UNROLL_MAX = 64
 
