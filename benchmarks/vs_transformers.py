@@ -9,8 +9,9 @@ implies: prefill is compute-bound (2 x active parameters FLOPs per token, plus a
 (the bytes of weights the batch touches per step: dense weights + the distinct experts its B·k slots hit).
 The two frameworks are timed in alternation, `--repeats` rounds (each round: each framework's prefill
 `--prefill-samples` times in a row, then both decodes), so both see the same state of a shared machine. The
-speed-ups use the best of each figure; the ratio of the medians is printed beside them (on a shared machine each
-framework's own speed moves by 10-30% between runs, so one run's best-of ratio moves too: compare several runs).
+speed-ups use the best of each figure; the ratio of the medians is printed beside them, and the ratio within each
+round (on a shared machine each framework's own speed moves by 10-30% between runs and rounds, so one run's best-of
+ratio moves too; a round's ratio compares times taken seconds apart, so a drift between rounds cancels out of it).
 Prints a table and saves JSON (results/vs_transformers.json by default) with every round's times.
 """
 
@@ -142,7 +143,18 @@ def measure(runs: dict, repeats: int, prefill_samples: int = 3) -> dict:
             f"{n} prefill {' / '.join(f'{t:.2f}' for t in pre[n][-prefill_samples:])} s, decode {dec[n][-1]:.2f} s"
             for n in runs))
     return {n: {"prefill_s": min(pre[n]), "decode_s": min(dec[n]), "prefill_all_s": pre[n], "decode_all_s": dec[n],
+                "prefill_rounds_s": [pre[n][i * prefill_samples:(i + 1) * prefill_samples] for i in range(repeats)],
                 "tokens": toks[n]} for n in runs}
+
+
+def paired_speedups(m: dict) -> dict:
+    """qwen35's speed-up within each round: transformers' time over qwen35's, both from the same round (the
+    median of its prefill samples, its one decode). The two were measured seconds apart, so a drift of the
+    machine's speed between rounds, which moves both, cancels out of each round's ratio."""
+    t, q = m["transformers"], m["qwen35"]
+    rounds = zip(t["prefill_rounds_s"], q["prefill_rounds_s"])
+    return {"prefill": [float(np.median(a) / np.median(b)) for a, b in rounds],
+            "decode": [float(a / b) for a, b in zip(t["decode_all_s"], q["decode_all_s"])]}
 
 
 def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_prompt_len: int, repeats: int,
@@ -164,6 +176,7 @@ def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_pro
     runs["transformers"]["prefill"](), runs["transformers"]["decode"]()
     bench.log(f"[{preset}] timing, {repeats} rounds")
     m = measure(runs, repeats, prefill_samples)
+    paired = paired_speedups(m)
     same = float(np.mean(m["qwen35"]["tokens"] == m["transformers"]["tokens"]))
 
     flops_tok = prefill_flops_per_token(cfg, prompt_len)
@@ -204,6 +217,9 @@ def run(preset: str, *, batch: int, prompt_len: int, new_tokens: int, decode_pro
                                         / np.median(m["qwen35"]["prefill_all_s"])),
         "speedup_decode_median": float(np.median(m["transformers"]["decode_all_s"])
                                        / np.median(m["qwen35"]["decode_all_s"])),
+        # one ratio per round, from times measured within that round (see `paired_speedups`)
+        "speedup_prefill_rounds": paired["prefill"],
+        "speedup_decode_rounds": paired["decode"],
     }
 
 
@@ -222,6 +238,8 @@ def format_table(res: dict) -> str:
                  f"(best times; medians: prefill x{res['speedup_prefill_median']:.2f}, decode "
                  f"x{res['speedup_decode_median']:.2f}); greedy tokens agree on "
                  f"{100 * res['greedy_tokens_agree']:.0f}%")
+    lines.append("  within each round: prefill " + " / ".join(f"x{r:.2f}" for r in res["speedup_prefill_rounds"])
+                 + ", decode " + " / ".join(f"x{r:.2f}" for r in res["speedup_decode_rounds"]))
     return "\n".join(lines)
 
 
