@@ -244,8 +244,9 @@ def cmd_bench(args) -> dict:
             print(format_table([r]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))
-    print("TPS/chip = (input + output tokens) / duration / chips, the playbook's metric (its 4-chip v7x host at "
-          "concurrency 64: 3,707 prefill-heavy, 677 decode-heavy).")
+    print("TPS/chip = (input + output tokens) / duration / chips, the metric of the Google Developers Blog post on "
+          "serving Qwen 3.5 MoE on Ironwood TPUs (its 4-chip v7x host at concurrency 64: 3,707 prefill-heavy, "
+          "677 decode-heavy).")
     return {"scale": scale, "max_num_batched_tokens": budget, "block_size": args.block_size, "rows": rows}
 
 

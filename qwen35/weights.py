@@ -4,7 +4,8 @@
     qwen35.save_hf_checkpoint(model, "out/", expert_layout="per_expert", max_shard_size_bytes=2**30)
     tok = qwen35.load_tokenizer("path/to/checkpoint")                # tokenizer.json, or None
 
-What the loader accepts (see /work/shared/MODEL.md, "The released checkpoint"):
+What the loader accepts (the layouts of the released checkpoints, huggingface.co/Qwen/Qwen3.5-397B-A17B and its
+-FP8 release, and of transformers' `Qwen3_5MoeForCausalLM`):
   * one `model.safetensors`, or shards listed by `model.safetensors.index.json`;
   * the text-only key layout (`model.layers.*`, `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`)
     and the released multimodal layout (`model.language_model.*` -> `model.*`; `model.visual.*` and `mtp.*` are

@@ -1,14 +1,82 @@
-"""Shared test helpers (import as `from helpers import ...`; tests/ is on sys.path under pytest)."""
+"""Shared test helpers (import as `from helpers import ...`; tests/ is on sys.path under pytest).
+
+How close is close enough, stated once. Two correct float32 evaluations of the same value differ by their rounding:
+another CPU (vector width, fused multiply-adds, AMX or AVX-512 micro-kernels), another thread count or another
+library sums in another order. Each rounding errs by at most eps/2 relative (eps = 2^-23 for float32), and a sum of
+n rounded terms gathers an error that grows like sqrt(n) times the size of its partial sums: rounding errors of
+either sign add like a random walk (Higham & Mary, "A New Approach to Probabilistic Rounding Error Analysis",
+SIAM J. Sci. Comput. 41(5), 2019). So a float32 comparison is bounded by
+
+    fp32_tol(scale, terms) = ULPS · eps · scale · sqrt(terms)
+
+with `scale` the size of the values being summed (by default the largest |expected|) and `terms` the reduction
+length (for a chain of operations, the sum of the chain's reduction lengths). ULPS = 16 covers both evaluations'
+errors and the tail of their distribution. A real bug (a wrong transpose, a missing renormalisation, a dropped
+token) changes a value by a sizeable fraction of `scale`, hundreds of times this bound at the tests' sizes
+(tests/test_tolerances.py checks that such mutations fail).
+"""
+
+import math
 
 import numpy as np
 
+F32_EPS = float(np.finfo(np.float32).eps)  # 2^-23
+BF16_EPS = 2.0 ** -7  # bfloat16 keeps 8 significant bits
+ULPS = 16
 
-def assert_close(actual, expected, *, atol, rtol=0.0, name="value"):
-    """np.testing.assert_allclose with the max abs error in the message."""
+
+def fp32_tol(scale, terms=1, ulps=ULPS):
+    """The bound two correct float32 evaluations of a `terms`-long reduction of size `scale` stay within."""
+    return ulps * F32_EPS * float(scale) * math.sqrt(max(int(terms), 1))
+
+
+def assert_close(actual, expected, *, atol=None, rtol=0.0, terms=None, scale=None, ulps=ULPS, name="value"):
+    """np.testing.assert_allclose with the max abs error (and the bound's rule) in the message.
+
+    Either `atol` (for exact comparisons, atol=0, or a bound derived in the test) or `terms`: the bound is then
+    fp32_tol(scale, terms, ulps), `scale` defaulting to the largest |expected| (at least 1e-30)."""
     a, e = np.asarray(actual, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{name}: shape {a.shape} != expected {e.shape}"
+    if (atol is None) == (terms is None):
+        raise TypeError("assert_close takes exactly one of atol= and terms=")
+    rule = ""
+    if terms is not None:
+        if scale is None:
+            scale = float(np.max(np.abs(e))) if e.size else 0.0
+        atol = fp32_tol(max(scale, 1e-30), terms, ulps)
+        rule = f" (bound {atol:.3g} = {ulps} ulps x scale {scale:.3g} x sqrt({terms}))"
     err = float(np.max(np.abs(a - e))) if a.size else 0.0
-    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=f"{name}: max abs err {err:.3g}")
+    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol, err_msg=f"{name}: max abs err {err:.3g}{rule}")
+
+
+def assert_topk_consistent(experts, weights, logits, logit_tol, weight_tol, *, name="top-k"):
+    """experts [N, k] and weights [N, k] are a correct softmax top-k of the reference logits [N, E] (float64),
+    whatever order exact or near ties were broken in. Ties are judged on the logits, where rounding errors have
+    one scale (`logit_tol`): every chosen expert's logit is within logit_tol of the k-th largest or above it, the
+    k choices are distinct and in descending order (within logit_tol), and the weights are the chosen experts'
+    softmax renormalised over the k (within weight_tol)."""
+    experts, logits = np.asarray(experts), np.asarray(logits, np.float64)
+    N, k = experts.shape
+    kth = -np.sort(-logits, axis=-1)[:, k - 1]
+    chosen = np.take_along_axis(logits, experts, axis=-1)
+    assert all(len(set(row)) == k for row in experts.tolist()), f"{name}: an expert chosen twice"
+    worst = float(np.max(kth - chosen.min(-1)))
+    assert worst <= logit_tol, f"{name}: a choice below the k-th largest logit by {worst:.3g} > {logit_tol:.3g}"
+    if k > 1:
+        climb = float(np.max(np.diff(chosen, axis=-1)))
+        assert climb <= logit_tol, f"{name}: choices not in descending order (a rise of {climb:.3g})"
+    w = np.exp(chosen - chosen.max(-1, keepdims=True))
+    assert_close(weights, w / w.sum(-1, keepdims=True), atol=weight_tol, name=f"{name} weights")
+
+
+def topk_margin(logits, k):
+    """The smallest gap, over rows, between the k-th and (k+1)-th largest of logits [N, E]: routing is well
+    defined under rounding error only where this is far above the logits' error (inf when k = E)."""
+    logits = np.asarray(logits, np.float64)
+    if k >= logits.shape[-1]:
+        return math.inf
+    s = -np.sort(-logits, axis=-1)
+    return float(np.min(s[:, k - 1] - s[:, k]))
 
 
 def to_torch(x):
