@@ -172,7 +172,7 @@ def test_conv1d_split_equals_one_call(rng):
     y, s = gdn.causal_conv1d(x, w)
     y1, s1 = gdn.causal_conv1d(x[:, :2], w)
     y2, s2 = gdn.causal_conv1d(x[:, 2:], w, s1)
-    assert_close(np.concatenate([y1, y2], 1), y, atol=1e-6)
+    assert_close(np.concatenate([y1, y2], 1), y, terms=4)  # a 4-tap conv
     assert_close(s2, s, atol=0)
     with pytest.raises(ValueError, match="conv_state"):
         gdn.causal_conv1d(x, w, np.zeros((2, 6, 3), np.float32))
@@ -227,7 +227,8 @@ def test_layer_matches_transformers_with_cache(rng, name):
         y, state = call(layer, jnp.asarray(x[:, a:b]), state)
         assert_close(y, y_hf, atol=2e-5, name=f"tokens {a}:{b}")
         assert_close(y, y_full[:, a:b], atol=2e-5, name=f"tokens {a}:{b} vs one forward")
-        assert_close(state.conv, cache.layers[0].conv_states[0].numpy(), atol=1e-6, name=f"conv state after {b}")
+        assert_close(state.conv, cache.layers[0].conv_states[0].numpy(), terms=cfg.hidden_size,
+                     name=f"conv state after {b}")  # the in_proj_qkv outputs, H-term sums
         assert_close(state.recurrent, cache.layers[0].recurrent_states[0].numpy(), atol=2e-5,
                      name=f"recurrent state after {b}")
 
