@@ -160,7 +160,8 @@ def test_apply_rope_properties(rng):
     hcos, hsin = hf_cos_sin(cfg, np.arange(5))
     xt = to_torch(x).transpose(1, 2)
     hq, _ = hf.apply_rotary_pos_emb(xt, xt, hcos, hsin)
-    assert_close(apply_rope(jnp.asarray(x), cos, sin, rd), hq.transpose(1, 2).numpy(), terms=2, name="apply_rope")  # x1·cos − x2·sin
+    # a rotation: x1·cos − x2·sin, two terms
+    assert_close(apply_rope(jnp.asarray(x), cos, sin, rd), hq.transpose(1, 2).numpy(), terms=2, name="apply_rope")
     # a per-batch position table [B, T, rd/2] gives the same result
     cos_b, sin_b = rope_cos_sin(jnp.tile(jnp.arange(5), (2, 1)), inv, scale)
     assert_close(apply_rope(jnp.asarray(x), cos_b, sin_b, rd), hq.transpose(1, 2).numpy(), terms=2, name="[B,T] pos")
