@@ -17,7 +17,7 @@ import qwen35
 from qwen35 import roofline
 from qwen35.roofline import RooflineError, Scenario
 
-# Qwen3.5-397B-A17B, by hand from MODEL.md
+# Qwen3.5-397B-A17B, by hand from its config.json (huggingface.co/Qwen/Qwen3.5-397B-A17B)
 H, L, N_LIN, N_FULL, V = 4096, 60, 45, 15, 248_320
 E, K, I, IS = 512, 10, 1024, 1024
 HQ, HKV, DH = 32, 2, 256
