@@ -29,7 +29,7 @@ N_DEV, CHIPS = 8, 4
 
 
 def by_hand_decode_bytes(B=64, ctx=5120):
-    """Bytes one of 8 devices reads per decode step under the playbook's layout (the WORKLOAD.md assumptions)."""
+    """Bytes one of 8 devices reads per decode step under the playbook's layout (the published roofline's assumptions)."""
     experts = L * E * 3 * I * H * FP8 / N_DEV
     gdn = N_LIN * ((CONV + 2 * HV * DV) * H * FP8 + (2 * HV * H + CONV * KC + 2 * HV + DV) * 2)
     attn = N_FULL * ((2 * HQ * DH * H + 2 * HKV * DH * H + HQ * DH * H) * FP8 + 2 * DH * 2)
@@ -72,7 +72,7 @@ def test_decode_breakdown_matches_hand_count(sc):
 
 def test_touched_experts_variant(sc):
     """Reading only the touched experts. The expected count gives 12.64 ms; the slowest of the 8 devices (which
-    every layer's reduce-scatter waits for) gives ~13.67 ms. WORKLOAD.md's 13.3 ms lies between the two and is not
+    every layer's reduce-scatter waits for) gives ~13.67 ms. The published 13.3 ms lies between the two and is not
     reproduced by either reading (−4.9% / +2.8%)."""
     hand = by_hand_decode_bytes()
     f = 1 - (1 - K / E) ** 64
@@ -94,7 +94,7 @@ def test_touched_experts_variant(sc):
 
 
 def test_pooled_bandwidth_variant(sc):
-    """Every byte read once, all 4 chips' bandwidth pooled: 13.99 ms by the same counting. WORKLOAD.md's 14.6 ms
+    """Every byte read once, all 4 chips' bandwidth pooled: 13.99 ms by the same counting. The published 14.6 ms
     is 4.4% higher; no reading of the stated assumptions closes that gap (see notebook 10)."""
     hand = by_hand_decode_bytes()
     once = hand["experts"] * N_DEV + hand["dense"] + hand["lm_head"] + (hand["kv"] + hand["state"] + hand["emb"]) * N_DEV
