@@ -29,7 +29,7 @@ N_DEV, CHIPS = 8, 4
 
 
 def by_hand_decode_bytes(B=64, ctx=5120):
-    """Bytes one of 8 devices reads per decode step under the playbook's layout (the published roofline's assumptions)."""
+    """Bytes one of 8 devices reads per decode step under the published roofline's assumptions."""
     experts = L * E * 3 * I * H * FP8 / N_DEV
     gdn = N_LIN * ((CONV + 2 * HV * DV) * H * FP8 + (2 * HV * H + CONV * KC + 2 * HV + DV) * 2)
     attn = N_FULL * ((2 * HQ * DH * H + 2 * HKV * DH * H + HQ * DH * H) * FP8 + 2 * DH * 2)
