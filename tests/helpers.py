@@ -13,7 +13,7 @@ with `scale` the size of the values being summed (by default the largest |expect
 length (for a chain of operations, the sum of the chain's reduction lengths). ULPS = 16 covers both evaluations'
 errors and the tail of their distribution. A real bug (a wrong transpose, a missing renormalisation, a dropped
 token) changes a value by a sizeable fraction of `scale`, hundreds of times this bound at the tests' sizes
-(tests/test_tolerances.py checks that such mutations fail).
+(test_moe.py's test_route_bounds_catch_real_bugs checks that such mutations fail).
 """
 
 import math
@@ -21,7 +21,6 @@ import math
 import numpy as np
 
 F32_EPS = float(np.finfo(np.float32).eps)  # 2^-23
-BF16_EPS = 2.0 ** -7  # bfloat16 keeps 8 significant bits
 ULPS = 16
 
 
