@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 F32_EPS = float(np.finfo(np.float32).eps)  # 2^-23
+BF16_EPS = 2.0 ** -7  # bfloat16 keeps 8 significant bits (7 stored)
 ULPS = 16
 
 
