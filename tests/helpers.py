@@ -83,3 +83,40 @@ def to_torch(x):
     import torch
 
     return torch.from_numpy(np.array(x, copy=True))
+
+
+def attention_terms(cfg, S):
+    """A gated attention layer's reduction chain: q/k/v projections over the hidden size, q/k RMSNorm and scores
+    over head_dim, the softmax-weighted values over S keys, the output projection over Hq·Dh."""
+    return cfg.hidden_size + 2 * cfg.head_dim + S + cfg.num_attention_heads * cfg.head_dim
+
+
+def rule_terms(T, Dk, chunk=64):
+    """The delta rule's chain: k·S and q·S over Dk each, a chunk's triangular solve over up to `chunk` rows, and
+    the state carried through T updates (each adds its rounding)."""
+    return 2 * Dk + chunk + T
+
+
+def gdn_terms(cfg, T, chunk=64):
+    """A Gated DeltaNet layer's chain: in_proj over the hidden size, the conv's taps, the q/k l2norm, the delta
+    rule (k·S and q·S over Dk, a chunk's triangular solve, T carried updates), the gated norm over Dv and out_proj
+    over Hv·Dv."""
+    Dk, Dv, Hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+    return cfg.hidden_size + cfg.linear_conv_kernel_dim + Dk + rule_terms(T, Dk, chunk) + Dv + Hv * Dv
+
+
+def moe_terms(cfg):
+    """An MoE block's chain: the router over the hidden size, an expert's gate/up over H and down over I, the
+    weighted sum of k experts and the shared expert."""
+    return cfg.hidden_size + max(cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size) \
+        + cfg.num_experts_per_tok + 1
+
+
+def model_terms(cfg, S):
+    """The whole decoder's chain for an S-token context: the residual stream carries every layer's error, so the
+    layers' chains add (two RMSNorms, the mixer, the MoE each), then the final norm and the lm_head over H."""
+    H, total = cfg.hidden_size, 2 * cfg.hidden_size
+    for kind in cfg.layer_types:
+        mixer = attention_terms(cfg, S) if kind == "full_attention" else gdn_terms(cfg, S)
+        total += 2 * H + mixer + moe_terms(cfg)
+    return total

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from helpers import F32_EPS, assert_close, fp32_tol, to_torch
+from helpers import F32_EPS, assert_close, attention_terms, fp32_tol, to_torch
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 from qwen35.attention import (
@@ -53,12 +53,6 @@ CONFIGS = {
 
 
 hf_config = hf_text_config
-
-
-def layer_terms(cfg, S):
-    """The layer's reduction chain for the float32 rule: q/k/v projections over the hidden size, q/k RMSNorm
-    and scores over head_dim, the softmax-weighted values over S keys, the output projection over Hq·Dh."""
-    return cfg.hidden_size + 2 * cfg.head_dim + S + cfg.num_attention_heads * cfg.head_dim
 
 
 def kv_terms(cfg):
@@ -191,13 +185,13 @@ def test_prefill_matches_transformers(name, rng):
     x = rng.standard_normal((2, 37, cfg.hidden_size)).astype(np.float32)
     y, cache = mod(jnp.asarray(x))
     assert cache is None
-    assert_close(y, hf_forward(ref, cfg, x), terms=layer_terms(cfg, 37), name=f"{name} prefill")
+    assert_close(y, hf_forward(ref, cfg, x), terms=attention_terms(cfg, 37), name=f"{name} prefill")
     # RoPE positions follow cache_index even without a cache (HF with position ids 11..47)
     y11, _ = mod(jnp.asarray(x), cache_index=11)
     cos, sin = hf_cos_sin(cfg, np.arange(11, 48))
     with torch.no_grad():
         h11, _ = ref(to_torch(x), position_embeddings=(cos, sin), attention_mask=causal_mask(37, 37, 0))
-    assert_close(y11, h11.numpy(), terms=layer_terms(cfg, 37), name=f"{name} prefill at offset 11")
+    assert_close(y11, h11.numpy(), terms=attention_terms(cfg, 37), name=f"{name} prefill at offset 11")
 
 
 @pytest.mark.parametrize("name", ["tiny", "odd-yarn"])
@@ -210,7 +204,7 @@ def test_cached_decode_matches_full_forward_and_transformers(name, rng):
     x = rng.standard_normal((B, T, cfg.hidden_size)).astype(np.float32)
     full, _ = jit_call(mod, jnp.asarray(x), None, 0)
     full_hf = hf_forward(ref, cfg, x)
-    terms = layer_terms(cfg, T)
+    terms = attention_terms(cfg, T)
     assert_close(full, full_hf, terms=terms, name="full forward")
 
     cache = mod.init_cache(B, S_max, jnp.float32)
@@ -240,7 +234,7 @@ def test_jit_with_traced_cache_index(rng):
     B, T0, S_max = 1, 9, 16
     x = jnp.asarray(rng.standard_normal((B, T0 + 3, cfg.hidden_size)), jnp.float32)
     full, _ = mod(x)
-    terms, scale = layer_terms(cfg, T0 + 3), float(jnp.max(jnp.abs(full)))
+    terms, scale = attention_terms(cfg, T0 + 3), float(jnp.max(jnp.abs(full)))
 
     @nnx.jit
     def step(m, xs, cache, idx):
@@ -345,7 +339,7 @@ def test_module_matches_closed_form(rng):
                                        jnp.asarray(v, jnp.float32)), np.float64)
     y = (o.reshape(B, T, Hq * Dh) / (1 + np.exp(-gate))) @ W["o_proj"].T
     got, _ = mod(jnp.asarray(x, jnp.float32))
-    assert_close(got, y, terms=layer_terms(cfg, T), name="module vs closed form")
+    assert_close(got, y, terms=attention_terms(cfg, T), name="module vs closed form")
 
 
 def test_bf16_runs_and_stays_close(rng):

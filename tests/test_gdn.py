@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from helpers import BF16_EPS, assert_close, to_torch
+from helpers import BF16_EPS, assert_close, gdn_terms, rule_terms, to_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import DynamicCache
@@ -27,19 +27,6 @@ def make_inputs(rng, B, T, H, Dk, Dv, *, state=False, g_scale=1.0):
     beta = rng.uniform(0.05, 1.0, size=(B, T, H)).astype(f)
     S0 = rng.standard_normal((B, H, Dk, Dv)).astype(f) if state else None
     return q, k, v, g, beta, S0
-
-
-def rule_terms(T, Dk, chunk=64):
-    """The delta rule's reduction chain for the float32 rule: k·S and q·S over Dk each, a chunk's triangular
-    solve over up to `chunk` rows, and the state carried through T updates (each adds its rounding)."""
-    return 2 * Dk + chunk + T
-
-
-def layer_terms(cfg, T):
-    """The GDN layer's chain: in_proj over the hidden size, the conv's taps, the q/k l2norm over Dk, the rule,
-    the gated RMSNorm over Dv and out_proj over Hv·Dv."""
-    Dk, Dv, Hv = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
-    return cfg.hidden_size + cfg.linear_conv_kernel_dim + Dk + rule_terms(T, Dk) + Dv + Hv * Dv
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -232,7 +219,7 @@ def test_layer_matches_transformers_with_cache(rng, name):
         y_full_hf = t_layer(to_torch(x)).numpy()  # no cache: one forward over everything
     call = nnx.jit(lambda m, x, s: m(x, s))
     y_full, _ = call(layer, jnp.asarray(x), None)
-    terms, scale = layer_terms(cfg, x.shape[1]), float(np.max(np.abs(y_full_hf)))
+    terms, scale = gdn_terms(cfg, x.shape[1]), float(np.max(np.abs(y_full_hf)))
     assert_close(y_full, y_full_hf, terms=terms, name="no-cache forward")
 
     pieces = [(0, T0)] + [(T0 + i, T0 + i + 1) for i in range(3)] + [(T0 + 3, T0 + 7)]  # prefill, 3 decodes, 4-token continuation
@@ -277,6 +264,6 @@ def test_default_chunk_size():
         for t in range(x.shape[1]):
             y_t, state = layer(x[:, t:t + 1], state)
             ys.append(y_t)
-    terms = layer_terms(cfg, x.shape[1])
+    terms = gdn_terms(cfg, x.shape[1])
     assert_close(jnp.concatenate(ys, axis=1), y, terms=terms, name="token by token vs one call")
     assert_close(state.recurrent, st.recurrent, terms=terms, name="state")

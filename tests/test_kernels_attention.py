@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close
+from helpers import BF16_EPS, assert_close, attention_terms, model_terms
 from pallas_helpers import RACES, clean_interpreter, races_found  # noqa: F401 (autouse fixture)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -82,7 +82,8 @@ def check_per_sequence(args, out):
         sc = np.where(np.arange(kv_lens[s])[None, None, :] <= pos[None, :, None], sc, -np.inf)
         p = np.exp(sc - sc.max(-1, keepdims=True))
         ref = np.einsum("htl,lhd->thd", p / p.sum(-1, keepdims=True), v)
-        assert_close(out[a:b], ref, atol=2e-5, name=f"sequence {s}")
+        # float32 kernel vs float64: scores over D, then values over the sequence's keys
+        assert_close(out[a:b], ref, terms=q.shape[-1] + int(kv_lens[s]), name=f"sequence {s}")
 
 
 # name: (q_lens, kv_lens, num_seqs). Per page size the array shapes are fixed (S slots, P pages each, Tq query
@@ -114,7 +115,8 @@ def test_kernel_matches_reference(page_size, name):
                                             interpret=RACES))
     assert not races_found(), "the race detector flagged the kernel"
     ref = np.asarray(ragged_paged_attention_reference(*args))
-    assert_close(out, ref, atol=2e-5, name=name)
+    # online softmax in blocks vs one softmax: scores over D, values (and the blocks' rescaling) over the keys
+    assert_close(out, ref, terms=args[0].shape[-1] + int(np.max(args[3])), name=name)
     check_per_sequence(args, out)
     used = int(args[5][args[6][0]])
     assert np.all(out[used:] == 0), "rows of unused slots and padding must be 0"
@@ -127,7 +129,9 @@ def test_kernel_bf16_and_scale():
     out = ragged_paged_attention(*args, sm_scale=0.5, block_q=8)
     assert out.dtype == jnp.bfloat16
     ref = ragged_paged_attention_reference(*args, sm_scale=0.5)
-    assert_close(out.astype(np.float32), ref.astype(np.float32), atol=2e-2, name="bf16")
+    # both round bf16 intermediates (probabilities, outputs) in their own order: a few bf16 ulps of the output
+    ref32 = np.asarray(ref.astype(np.float32))
+    assert_close(out.astype(np.float32), ref32, atol=4 * BF16_EPS * float(np.max(np.abs(ref32))), name="bf16")
 
 
 def test_bad_input_errors():
@@ -164,7 +168,7 @@ def test_attention_layer_without_cache():
     y_xla, _ = layer_xla(x)
     y_pal, none = layer_pal(x)
     assert none is None
-    assert_close(y_pal, y_xla, atol=1e-5, name="attention layer without cache")
+    assert_close(y_pal, y_xla, terms=attention_terms(cfg, 5), name="attention layer without cache")
 
 
 @pytest.mark.timeout(600)
@@ -184,5 +188,5 @@ def test_model_pallas_backend_matches_xla():
     for step, tok in enumerate([ids[:, :5], ids[:, 5:6], ids[:, 6:7]]):   # prefill, then two decode steps
         l_xla, c_xla = m_xla(tok, c_xla)
         l_pal, c_pal = m_pal(tok, c_pal)
-        assert_close(l_pal, l_xla, atol=1e-5, name=f"step {step}")
+        assert_close(l_pal, l_xla, terms=model_terms(cfg, 7), name=f"step {step}")
     assert int(c_pal.index) == 7
