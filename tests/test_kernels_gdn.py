@@ -264,4 +264,5 @@ def test_benchmark_cases_split_by_backend_and_a_cpu_case_runs():
     case = next(c for c in mod.CASES if c.kernel == "fused_gdn_decode" and c.size == "correctness")
     row = case.run(repeats=1)
     assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
-    assert row["bound"] == "memory" and "interpret" in row["note"] and row["max_rel_err"] < 1e-5
+    assert row["bound"] == "memory" and "interpret" in row["note"]
+    assert row["max_rel_err"] <= fp32_tol(1.0, 64)  # relative to the output's size: the rule at scale 1

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close, moe_terms
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -140,13 +141,16 @@ def test_moe_ep_both_schemes_equal_the_unsharded_block(mesh_name, rng):
     x = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32)  # 16 tokens: 2 per device
     ref, _ = block(x)
     y_ag, st = _sharded_block(block, x, mesh, scheme="allgather")
-    np.testing.assert_allclose(np.asarray(y_ag), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert_close(y_ag, ref, terms=moe_terms(cfg), name="all-gather")
     assert int(st.dropped) == 0 and st.capacity is None
     # Capacity factor E/k gives C = t (every slot of a device could go to one expert): nothing can drop.
     cf = cfg.num_experts / cfg.num_experts_per_tok
     y_a2a, st = _sharded_block(block, x, mesh, scheme="alltoall", capacity_factor=cf)
-    np.testing.assert_allclose(np.asarray(y_a2a), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert_close(y_a2a, ref, terms=moe_terms(cfg), name="all-to-all")
     assert int(st.dropped) == 0 and st.capacity == 2
+
+
+ROUTED_TERMS = 16 + 8 + 2  # _routed_inputs' experts: gate/up over H = 16, down over I = 8, a k = 2 weighted sum
 
 
 def _routed_inputs(rng, N=32, H=16, E=16, k=2, I=8, skew=0.0):
@@ -163,10 +167,10 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     x, w, e, gu, dn = _routed_inputs(rng)
     ref = experts_dense(x, w, e, gu, dn)
     y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4), local_impl="dense")
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert_close(y, ref, terms=ROUTED_TERMS, name="data=2 x expert=4")
     # chip x core: experts and tokens over both axes, reduce-scatter hierarchical (core first, then chip).
     y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(chip=4, core=2), local_impl="dense")
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
 
 
 def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
@@ -184,7 +188,7 @@ def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
     # the package's single-device capacity path on each device's shard (same C, same token-order drops)
     shards = [experts_capacity(x[i * t:(i + 1) * t], w[i * t:(i + 1) * t], e[i * t:(i + 1) * t], gu, dn,
                                capacity_factor=cf)[0] for i in range(8)]
-    np.testing.assert_allclose(np.asarray(y), np.asarray(jnp.concatenate(shards)), rtol=1e-5, atol=1e-6)
+    assert_close(y, jnp.concatenate(shards), terms=ROUTED_TERMS, name="all-to-all vs per-shard capacity")
 
 
 def test_moe_ep_errors():
@@ -285,7 +289,7 @@ def test_tp_moe_hybrid_and_chunked_exchange_equal_the_dense_reference(layout, rn
     e = jnp.asarray(np.stack([rng.choice(12, 2, replace=False) for _ in range(32)]), jnp.int32)
     assert set(np.unique(np.asarray(e))) == set(range(12))
     y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(**axes), local_impl="dense", **kw)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(experts_dense(x, w, e, gu, dn)), rtol=1e-5, atol=1e-6)
+    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=layout)
 
 
 def test_tp_interleave_gives_each_device_its_gate_and_up_columns(rng):
@@ -385,6 +389,6 @@ def test_balanced_expert_placement_evens_device_load_and_keeps_the_output(rng):
     block.experts.gate_up_proj[...] = block.experts.gate_up_proj[...][perm]
     block.experts.down_proj[...] = block.experts.down_proj[...][perm]
     y, _ = block(x)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert_close(y, ref, terms=moe_terms(cfg), name="relabelled experts")
     _, e2, _ = route(x.reshape(-1, cfg.hidden_size), block.gate.weight[...], block.top_k)
     np.testing.assert_array_equal(np.bincount(np.asarray(e2).ravel(), minlength=16), load[perm])

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from helpers import F32_EPS, assert_close, model_terms
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import save_file as torch_save_file
 
@@ -157,13 +158,18 @@ def test_fp8_block_checkpoint_dequantises_like_the_reference(ref, tmp_path):
             else:
                 gu = got[f"{prefix}.gate_up_proj"][e]
                 have = gu[:I] if proj == "gate_proj" else gu[I:]
-        np.testing.assert_allclose(have, want, rtol=1e-7, atol=0, err_msg=k)
+        assert_close(have, want, atol=0, rtol=DEQUANT_RTOL, name=k)
     reference = qwen35.load_hf_checkpoint(deq_dir, progress=False)
     lg, lg_ref = np.asarray(model(ref["ids"])[0]), np.asarray(reference(ref["ids"])[0])
-    np.testing.assert_allclose(lg, lg_ref, atol=1e-5)
+    assert_close(lg, lg_ref, terms=model_terms(ref["cfg"], ref["ids"].shape[1]), name="logits")
     # and FP8 is a quantisation, not noise: close to the unquantised model on average (a routing flip may
     # move single logits more)
     assert np.mean(np.abs(lg - ref["logits"])) < 0.1 * np.mean(np.abs(ref["logits"]))
+
+
+# a dequantised weight is one float32 product (fp8 value x block scale, the fp8 value exact in float32): within an
+# ulp of each other however the product is formed
+DEQUANT_RTOL = 2 * F32_EPS
 
 
 def write_fused_fp8(src: Path, d: Path) -> dict[str, np.ndarray]:
@@ -199,7 +205,7 @@ def test_fp8_fused_experts_with_stacked_scales(ref, tmp_path):
     want = write_fused_fp8(ref["path"], tmp_path / "fused_fp8")
     got = params(qwen35.load_hf_checkpoint(tmp_path / "fused_fp8", progress=False))
     for name, w in want.items():
-        np.testing.assert_allclose(got[name], w, rtol=1e-7, atol=0, err_msg=name)
+        assert_close(got[name], w, atol=0, rtol=DEQUANT_RTOL, name=name)
 
 
 def expert_arrays(model, layer=0):
@@ -222,9 +228,9 @@ def test_fp8_keep_fused_experts_stay_fp8_and_give_the_dequantised_logits(ref, tm
     assert ex["gate_up_proj_scale_inv"].shape == (E, -(-2 * I // B), -(-H // B))
     assert ex["down_proj_scale_inv"].shape == (E, -(-H // B), -(-I // B))
     assert ex["gate_up_proj"].nbytes * 4 == np.asarray(deq.model.layers[0].mlp.experts.gate_up_proj[...]).nbytes
-    np.testing.assert_allclose(  # the model's own dequantisation is the test's naive one
+    assert_close(  # the model's own dequantisation is the test's naive one
         np.asarray(qwen35.moe.fp8_dequantize(ex["gate_up_proj"], ex["gate_up_proj_scale_inv"], jnp.float32)),
-        want["model.layers.0.mlp.experts.gate_up_proj"], rtol=1e-7, atol=0)
+        want["model.layers.0.mlp.experts.gate_up_proj"], atol=0, rtol=DEQUANT_RTOL)
     pk, pd = params(kept), params(deq)
     for name in pd:
         if ".mlp.experts." not in name:
@@ -234,7 +240,7 @@ def test_fp8_keep_fused_experts_stay_fp8_and_give_the_dequantised_logits(ref, tm
     for sl in (slice(0, 15), slice(15, 16)):  # prefill, then one cached decode step
         lk, ck = kept(ids[:, sl], cache=ck)
         ld, cd = deq(ids[:, sl], cache=cd)
-        np.testing.assert_allclose(np.asarray(lk), np.asarray(ld), atol=1e-5, rtol=0)
+        assert_close(lk, ld, terms=model_terms(cfg, 16), name=f"logits of tokens {sl.start}:{sl.stop}")
     # gate and up rows share a scale block at I = 132: per-expert tensors cannot carry that, so saving them refuses
     with pytest.raises(ValueError, match="expert_layout='fused'"):
         qwen35.save_hf_checkpoint(kept, tmp_path / "per_expert", expert_layout="per_expert")
@@ -259,7 +265,7 @@ def test_fp8_keep_per_expert_round_trips_through_save(tmp_path):
     deq = qwen35.load_hf_checkpoint(tmp_path / "fp8", progress=False)
     assert expert_arrays(kept)["gate_up_proj"].dtype == ml_dtypes.float8_e4m3fn
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 9))
-    np.testing.assert_allclose(np.asarray(kept(ids)[0]), np.asarray(deq(ids)[0]), atol=1e-5, rtol=0)
+    assert_close(kept(ids)[0], deq(ids)[0], terms=model_terms(cfg, 9), name="logits, fp8 kept vs dequantised")
     np.testing.assert_array_equal(qwen35.generate(kept, ids, 4), qwen35.generate(deq, ids, 4))
     ex = expert_arrays(kept)
     for layout in ("fused", "per_expert"):
@@ -391,7 +397,7 @@ def test_save_loads_in_transformers_with_same_logits(ref, tmp_path, layout):
     hm = transformers.Qwen3_5MoeForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         theirs = hm(torch.from_numpy(ref["ids"])).logits.numpy()
-    np.testing.assert_allclose(theirs, ref["logits"], atol=1e-4)
+    assert_close(theirs, ref["logits"], terms=model_terms(ref["cfg"], ref["ids"].shape[1]), name="transformers logits")
     # transformers' state dict is exactly our weights
     sd = hm.state_dict()
     for name, value in params(ref["model"]).items():
@@ -410,7 +416,7 @@ def test_save_per_expert_sharded_and_load_again(ref, tmp_path):
     want = params(ref["model"])
     for name, value in params(model).items():
         np.testing.assert_array_equal(value, want[name], err_msg=name)
-    np.testing.assert_allclose(np.asarray(model(ref["ids"])[0]), ref["logits"], atol=1e-6)
+    assert_close(model(ref["ids"])[0], ref["logits"], terms=model_terms(ref["cfg"], ref["ids"].shape[1]), name="logits")
     # saving again into the same folder (fused, single file) removes the old shards
     qwen35.save_hf_checkpoint(model, path)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
