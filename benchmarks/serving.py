@@ -186,7 +186,7 @@ def main(argv=None) -> dict:
     Bp, ctxp = (8, 96) if args.quick else (16, 160)
     pages = {ps: decode_step_ms(model, Bp, ctxp, ps, steps) for ps in (16, 256)}
     print(f"\n3. decode step, batch {Bp}, context {ctxp}: page 16 {pages[16]:.2f} ms, page 256 {pages[256]:.2f} ms "
-          f"(256/16 = {pages[256] / pages[16]:.2f}x; the playbook's Pallas kernel on v7x: 283/428 = 0.66x)")
+          f"(256/16 = {pages[256] / pages[16]:.2f}x; the Ironwood post's Pallas kernel on v7x: 283/428 = 0.66x)")
 
     out = {"machine": machine_info(), "preset": args.preset, "batching": steady["runs"],
            "continuous_over_static": steady["continuous_over_static"], "pair_ratios": steady["pair_ratios"],

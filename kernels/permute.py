@@ -7,7 +7,7 @@ With N tokens routed to k experts each (M = N·k slots) and `order [M]` the slot
     unpermute:  y[n] = Σ_j w[n, j] · y_sorted[inv[n·k + j]],  inv = order⁻¹       [M, H] -> [N, H]
 
 The references use XLA's gather and a scatter-add (`.at[token].add`). The kernels are row-gather DMA engines,
-the job the TPU playbook hands to the SparseCore: a grid over row blocks, the source row of every output row read
+the job the Ironwood post hands to the SparseCore: a grid over row blocks, the source row of every output row read
 from the index array in SMEM (scalar prefetch), one DMA per row from HBM into the output block. The combine
 gathers the k rows of each token the same way (by the inverse permutation, so it is a gather, not a scatter:
 no write conflicts, deterministic), then sums them weighted in fp32.

@@ -2,7 +2,7 @@
 
     python -m qwen35                 # the serving benchmark on the tiny preset (default; about a minute on CPU)
     python -m qwen35 bench --workload prefill-heavy|decode-heavy --concurrency 64 [--checkpoint PATH | --preset tiny]
-                           [--scale S] [--json out.json]      # the playbook's 8K/1K and 1K/8K workloads, TPS/chip
+                           [--scale S] [--json out.json]      # the Ironwood post's 8K/1K and 1K/8K workloads, TPS/chip
     python -m qwen35 generate --checkpoint PATH --prompt "..."  # stream one completion through the engine
     python -m qwen35 demo            # the Gated DeltaNet layer: chunked prefill + cached decode vs one prefill
     python -m qwen35 info --model qwen35-397b-a17b   # parameter and memory napkin math of a preset
@@ -138,7 +138,7 @@ def _serving_model(args):
 
     dtype = jnp.dtype(args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
     ep = args.expert_parallel
-    if ep is None:  # a checkpoint on an accelerator host: its experts over every device (the playbook's layout)
+    if ep is None:  # a checkpoint on an accelerator host: its experts over every device (the Ironwood post's layout)
         ep = jax.device_count() if args.checkpoint and jax.default_backend() != "cpu" else 1
     if not 1 <= ep <= jax.device_count():
         raise SystemExit(f"--expert-parallel {ep}: this host has {jax.device_count()} devices")
@@ -178,8 +178,8 @@ def _serving_common(sp) -> None:
                     help="an FP8 checkpoint's experts: keep them FP8 with their block scales (half of bf16's "
                          "memory; default on an accelerator) or dequantise them on load (default on CPU)")
     sp.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: concurrency)")
-    sp.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (playbook: 1024)")
-    sp.add_argument("--block-size", type=int, default=256, help="KV page size in tokens (playbook: 256)")
+    sp.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (Ironwood post: 1024)")
+    sp.add_argument("--block-size", type=int, default=256, help="KV page size in tokens (Ironwood post: 256)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--json", default=None, help="also write the results as JSON to this path")
 
@@ -209,7 +209,7 @@ def cmd_generate(args) -> dict:
 
 
 def cmd_bench(args) -> dict:
-    """The playbook's workloads through the engine; a table of TPS/chip (input + output tokens / s / chip)."""
+    """The Ironwood post's workloads through the engine; a table of TPS/chip (input + output tokens / s / chip)."""
     import jax
 
     from qwen35.serving import Engine
@@ -258,7 +258,7 @@ def _add_serving_parsers(sub) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
-    b = sub.add_parser("bench", help="serving benchmark: the playbook's workloads, TPS/chip (default command)")
+    b = sub.add_parser("bench", help="serving benchmark: the Ironwood post's workloads, TPS/chip (default command)")
     _serving_common(b)
     b.add_argument("--workload", choices=["prefill-heavy", "decode-heavy"], default=None,
                    help="default: both")

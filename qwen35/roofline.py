@@ -15,7 +15,7 @@ Everything here is arithmetic on named quantities, no fitted constants:
   `decode_step`, `prefill`, `wave` (prefill then a growing-context decode) and `what_if` compute on it.
 
 Counting conventions for tokens/s/chip (both are reported): *generated* (output tokens only, what the published
-978 tokens/s/chip counts) and *input + output* (what the playbook's measured figures count).
+978 tokens/s/chip counts) and *input + output* (what the Ironwood post's measured figures count).
 
 Notation: B concurrent sequences, n logical devices, E experts (k per token), S context length in tokens.
 """
@@ -171,7 +171,7 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {
     p.name: p
     for p in [
-        # fp8 weights + one fp32 scale per 128×128 block; bf16 KV; bf16 GDN state (the playbook's assumptions)
+        # fp8 weights + one fp32 scale per 128×128 block; bf16 KV; bf16 GDN state (the Ironwood post's assumptions)
         Precision("fp8", 1 + 4 / FP8_BLOCK**2, 2, 2, 2, "fp8", "bf16"),
         Precision("bf16", 2, 2, 2, 2, "bf16", "bf16"),
         Precision("f32", 4, 4, 4, 4, "f32", "f32"),  # the CPU reference model
@@ -212,7 +212,7 @@ LAYOUTS: dict[str, Layout] = {
                "attention DP (dense weights replicated on every device), EP over all devices, every local expert "
                "streamed every step"),
         Layout("playbook-touched", "dp", True, "touched",
-               "as playbook, but only the experts the step's routed slots touch are read"),
+               "as 'playbook', but only the experts the step's routed slots touch are read"),
         Layout("pooled", "dp", False, "all",
                "every byte read once across all devices: the chips' bandwidth pooled, no replication"),
         Layout("tp-attention", "tp", False, "all",

@@ -303,7 +303,7 @@ def checkpoint_shardings(mesh: Mesh, rules=LOGICAL_RULES, config: Qwen35Config |
 def load_sharded(path, mesh: Mesh, *, rules=LOGICAL_RULES, moe_exchange: str = "allgather", **load_kwargs):
     """`load_hf_checkpoint` straight onto `mesh` (`checkpoint_shardings`), then `shard_model`: the serving model
     for a checkpoint bigger than one device, e.g. `load_sharded(path, make_mesh(expert=8), dtype=jnp.bfloat16)`
-    for the playbook's DP attention + EP layout. The mesh is checked against the checkpoint's config before any
+    for the Ironwood post's DP attention + EP layout. The mesh is checked against the checkpoint's config before any
     tensor is read; `load_kwargs` go to `load_hf_checkpoint`."""
     from qwen35.weights import load_hf_checkpoint
 
@@ -890,7 +890,7 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     """A sharded copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh`. The layout is the rules table
     (`rules`, see `rules_with`) applied to the mesh:
 
-      DP attention + EP (the playbook's; default rules, `make_mesh(expert=8)` or `make_mesh(data=2, expert=4)`):
+      DP attention + EP (the Ironwood post's; default rules, `make_mesh(expert=8)` or `make_mesh(data=2, expert=4)`):
                    expert weights A[E_X, 2I, H] split over the "experts" axes (E/n per device); attention, GDN,
                    router, shared expert, embeddings replicated; the batch and its cache split over every axis.
       TP attention (a "model" axis, e.g. `make_mesh(expert=4, model=2)`): q/k/v/o heads, the vocabulary and the

@@ -6,7 +6,7 @@
 
 Modules: `cache` (page allocator, GDN state slots, the cache layout and its bytes per sequence), `scheduler`
 (continuous batching, chunked prefill, preemption), `sampling` (greedy / temperature / top-k / top-p, per-request
-seeds), `runner` (the jitted step built on the model's modules), `engine` (the API), `workload` (the playbook's
+seeds), `runner` (the jitted step built on the model's modules), `engine` (the API), `workload` (the Ironwood post's
 benchmark workloads and the TPS/chip table).
 """
 

@@ -1,7 +1,7 @@
-"""The playbook's serving workloads and the tokens-per-second-per-chip measurement (`python -m qwen35 bench`).
+"""The Ironwood post's serving workloads and the tokens-per-second-per-chip measurement (`python -m qwen35 bench`).
 
   prefill-heavy: 8,192 input / 1,024 output tokens per request;  decode-heavy: 1,024 input / 8,192 output.
-  TPS/chip = (input + output tokens) / duration / chips — the playbook's metric (4 chips, concurrency 64–512).
+  TPS/chip = (input + output tokens) / duration / chips — the Ironwood post's metric (4 chips, concurrency 64–512).
 Both lengths are divided by `scale` on small machines (scale 64 on a CPU: 128/16 and 16/128).
 """
 
@@ -22,7 +22,7 @@ WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
 
 def make_requests(workload: str, num_requests: int, scale: int = 1, vocab_size: int = 512, seed: int = 0):
     """[(prompt ids, SamplingParams)] of the workload at 1/scale length: random prompts, fixed output lengths
-    (no stop tokens, like the playbook's benchmark with ignore_eos)."""
+    (no stop tokens, like the Ironwood post's benchmark with ignore_eos)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
     if scale < 1:
