@@ -205,6 +205,7 @@ def test_cached_decode_matches_full_forward_and_transformers(name, rng):
     full, _ = jit_call(mod, jnp.asarray(x), None, 0)
     full_hf = hf_forward(ref, cfg, x)
     terms = attention_terms(cfg, T)
+    scale = float(np.max(np.abs(full)))  # one scale for every step: a 1-token step's max is no bound's scale
     assert_close(full, full_hf, terms=terms, name="full forward")
 
     cache = mod.init_cache(B, S_max, jnp.float32)
@@ -214,7 +215,6 @@ def test_cached_decode_matches_full_forward_and_transformers(name, rng):
         xs = x[:, pos:pos + n]
         y, cache = jit_call(mod, jnp.asarray(xs), cache, jnp.int32(pos))
         assert isinstance(cache, KVCache) and cache.k.shape == (B, S_max, cfg.num_key_value_heads, cfg.head_dim)
-        scale = float(np.max(np.abs(full)))  # one scale for every step: a 1-token step's max is no bound's scale
         assert_close(y, full[:, pos:pos + n], terms=terms, scale=scale, name=f"cached step at {pos} vs full forward")
         assert_close(y, full_hf[:, pos:pos + n], terms=terms, scale=scale, name=f"cached step at {pos} vs HF full")
         y_hf = hf_forward(ref, cfg, xs, start=pos, cache=hf_cache)
