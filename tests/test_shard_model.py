@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import assert_close, model_terms
+from helpers import assert_close, assert_no_near_tie, greedy_step_logits, model_terms
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
 from qwen35 import config as C
@@ -131,6 +131,7 @@ def test_load_sharded_keeps_fp8_experts_on_the_mesh(tiny_model_and_reference, tm
     from qwen35.__main__ import main
 
     want = np.asarray(qwen35.generate(ref_model, np.asarray([list(b"Hi FP8")]), 4))[0].tolist()
+    assert_no_near_tie(greedy_step_logits(ref_model, list(b"Hi FP8"), want), model_terms(ref_model.config, 10))
     out = tmp_path / "out.json"
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi FP8", "--max-tokens", "4",
                  "--max-num-batched-tokens", "16", "--expert-parallel", "8", "--fp8", "keep", "--json", str(out)]) == 0
@@ -244,6 +245,7 @@ def test_cli_generate_serves_a_checkpoint_with_expert_parallel(tiny_model_and_re
     qwen35.save_hf_checkpoint(model, tmp_path / "ckpt")
     prompt = "Hello, TPU"
     want = np.asarray(qwen35.generate(model, np.asarray([list(prompt.encode())]), 5))[0].tolist()
+    assert_no_near_tie(greedy_step_logits(model, list(prompt.encode()), want), model_terms(model.config, 15))
     out = tmp_path / "out.json"
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-tokens", "5",
                  "--max-num-batched-tokens", "16", "--expert-parallel", "8", "--json", str(out)]) == 0
