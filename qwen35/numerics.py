@@ -12,7 +12,8 @@ float32 comparison is bounded by
 with `scale` the size of the values being summed (by default the largest |expected|) and `terms` the reduction
 length (for a chain of operations, the sum of the chain's reduction lengths: `attention_terms`, `gdn_terms`,
 `moe_terms` and `model_terms` count them for the model's blocks). ULPS = 16 covers both evaluations' errors and the
-tail of their distribution. A real bug (a wrong transpose, a missing renormalisation, a dropped token) changes a
+tail of their distribution. Greedy tokens follow from it: two tokens whose logits lie within twice the bound
+are a near tie that another CPU may order either way (`assert_same_greedy`, `assert_no_near_tie`). A real bug (a wrong transpose, a missing renormalisation, a dropped token) changes a
 value by a sizeable fraction of `scale`, hundreds of times this bound at the sizes used here (the tests check that
 such mutations fail).
 
@@ -99,3 +100,51 @@ def model_terms(cfg, S):
         mixer = attention_terms(cfg, S) if kind == "full_attention" else gdn_terms(cfg, S)
         total += 2 * H + mixer + moe_terms(cfg)
     return total
+
+
+def greedy_step_logits(model, prompt, tokens, bucket=64):
+    """The logits each greedy token was chosen from, by one forward pass over prompt + tokens (teacher forcing):
+    row j is the model's distribution after prompt + tokens[:j]. float64 [len(tokens), V]. The ids are padded to a
+    multiple of `bucket` (the model is causal, so padding after them changes none of these rows) to share compiles."""
+    prompt, tokens = np.asarray(prompt).reshape(-1), np.asarray(tokens).reshape(-1)
+    ids = np.concatenate([prompt, tokens])
+    ids = np.pad(ids, (0, -len(ids) % bucket))
+    logits, _ = model(ids[None].astype(np.int32))
+    T = len(prompt)
+    return np.asarray(logits[0, T - 1:T - 1 + len(tokens)], np.float64)
+
+
+def near_tie_tol(step_logits, terms):
+    """Two correct float32 evaluations of one step's logits may each err by fp32_tol(scale, terms), so they may
+    order two tokens whose logits lie within twice that either way."""
+    return 2 * fp32_tol(float(np.max(np.abs(step_logits))), terms)
+
+
+def assert_same_greedy(actual, expected, logits, terms, *, name="greedy tokens"):
+    """Greedy tokens `actual` are the reference's `expected` (chosen from `logits` [>= len(actual), V], see
+    greedy_step_logits), up to one near tie: at the first step where they differ, the reference must rate the
+    actual token within near_tie_tol of its own choice (a tie that another CPU's rounding may order the other
+    way); after it the two continue from different prefixes and are not compared. Any other difference fails.
+    Returns the number of leading steps that matched."""
+    actual, expected = [int(t) for t in np.asarray(actual).reshape(-1)], np.asarray(expected).reshape(-1)
+    assert len(actual) <= len(expected), f"{name}: {len(actual)} tokens, the reference has {len(expected)}"
+    for j, tok in enumerate(actual):
+        if tok == expected[j]:
+            continue
+        gap = float(logits[j, expected[j]] - logits[j, tok])
+        tol = near_tie_tol(logits[j], terms)
+        assert gap <= tol, (f"{name}: step {j} chose {tok}, the reference {int(expected[j])}, whose logit is higher "
+                            f"by {gap:.3g} > the near-tie bound {tol:.3g}; tokens {actual} vs {expected.tolist()}")
+        return j
+    return len(actual)
+
+
+def assert_no_near_tie(logits, terms, *, name="reference"):
+    """The test data has no near tie at these greedy steps (logits [n, V]): the top-2 gap of every step exceeds
+    near_tie_tol, so an exact token comparison over them holds on any CPU. A guard on fixed test data (it fails
+    the same way everywhere if a seed change lands on a tie), not on the code under test."""
+    logits = np.asarray(logits, np.float64)
+    top2 = -np.sort(-logits, axis=-1)[:, :2]
+    for j, (row, (a, b)) in enumerate(zip(logits, top2)):
+        tol = near_tie_tol(row, terms)
+        assert a - b > tol, f"{name}: step {j}'s top-2 logits are a near tie ({a - b:.3g} <= {tol:.3g}); reseed"
