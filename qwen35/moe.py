@@ -734,6 +734,8 @@ class SparseMoeBlock(nnx.Module):
         """Switch the routed experts to the expert-parallel path (`impl` "ep"): `qwen35.sharding.moe_ep` over
         `mesh` with token exchange `scheme` ("allgather" or "alltoall"), the sharding `rules` (None: the default
         table), `chunks` pieces and the stored `gate_up_layout`. Used by `qwen35.sharding.shard_model`."""
+        if self.impl != "ep":
+            self.local_impl = self.impl  # the path each device's own experts take in `qwen35.sharding.moe_ep_local`
         self.impl, self.ep_mesh, self.ep_scheme, self.ep_capacity_factor = "ep", mesh, scheme, capacity_factor
         opts = {"chunks": chunks, "gate_up_layout": gate_up_layout, **({} if rules is None else {"rules": rules})}
         self.ep_options = tuple(opts.items())  # a tuple: static module attributes must be hashable
@@ -767,14 +769,21 @@ class SparseMoeBlock(nnx.Module):
             return experts_dense(x, weights, experts, gu, dn)
         return experts_sorted(x, weights, experts, gu, dn, method=self.grouped_method)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
+        """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the
+        routed-expert sum: how the serving engine's data-parallel step, already inside a `shard_map`, exchanges
+        tokens with explicit collectives (`qwen35.sharding.moe_ep_local`) around the same router and shared
+        expert."""
         H = self.config.hidden_size
         if x.ndim != 3 or x.shape[-1] != H:
             raise ValueError(f"SparseMoeBlock expects x [B, T, {H}], got {_shape(x)}")
         B, T, _ = x.shape
         x_nh = x.reshape(B * T, H)
         weights, experts, logits = route(x_nh, self.gate.weight[...], self.top_k)
-        y = self.routed(x_nh, weights.astype(x.dtype), experts)
+        if routed_fn is None:
+            y = self.routed(x_nh, weights.astype(x.dtype), experts)
+        else:
+            y = routed_fn(self, x_nh, weights.astype(x.dtype), experts)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(self.shared_expert_gate(x_nh).astype(jnp.float32)).astype(x.dtype)  # [N, 1]
             y = y + gate * self.shared_expert(x_nh)

@@ -61,6 +61,7 @@ __all__ = [
     "unpack_routing",
     "EPStats",
     "moe_ep",
+    "moe_ep_local",
     "rules_with",
     "tp_interleave_gate_up",
     "tp_deinterleave_gate_up",
@@ -654,6 +655,29 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)
+
+
+def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None):
+    """The all-gather exchange as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
+    data-parallel step (`qwen35.serving.runner`, every device running its own rank's sequences) hands
+    `SparseMoeBlock.__call__` as `routed_fn`. Same math as `moe_ep(scheme="allgather")`, whose `shard_map` cannot
+    nest inside the step's own.
+
+    x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
+    tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
+    default), each device sums its own experts' share (the layer's local path: dense or sorted), and a
+    reduce-scatter returns each device its own tokens' sums. With no expert axis the experts are whole on every
+    device and this is the block's own `routed`."""
+    if not expert_axes:
+        return block.routed(x, weights, experts)
+    if hierarchical is None:
+        hierarchical = len(expert_axes) == 2
+    gate_up, down = block.experts.dequantized(x.dtype)
+    impl = "dense" if getattr(block, "local_impl", block.impl) == "dense" else "sorted"
+    y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
+                           ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
+                           chunks=1)
+    return y
 
 
 # ------------------------------------------------------------------------------------------------------------

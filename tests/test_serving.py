@@ -243,16 +243,19 @@ def test_allocators():
 
 
 def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference, reference_logits):
-    """Experts split over the 8 (fake) devices by `shard_model` (EP = 8, attention weights replicated): the same
-    engine, the same tokens. The cache is not sharded (DP attention would run one engine per data-parallel rank)."""
+    """A model from `shard_model` (experts split over the 8 fake devices) brings its mesh: the engine serves it with
+    8 data-parallel ranks (tests/test_serving_dp.py checks that layout in depth), with the same tokens."""
     from qwen35 import sharding
 
     assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices before jax starts"
     smodel = sharding.shard_model(model, sharding.make_mesh(expert=8))
     engine = make_engine(smodel, 4, 16)
+    assert engine.num_ranks == 8 and engine.dp.expert_axes == ("expert",)
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=m) for m in max_tokens[:4]])
     assert_greedy(outs, reference, reference_logits, max_tokens[:4], "differs from generate (sharded)")
-    assert_all_free(engine)
+    for rank in engine.ranks:
+        assert rank.blocks.num_free == engine.num_blocks - 1 and rank.slots.num_free == engine.max_num_seqs
+    assert not engine.has_unfinished()
 
 
 def test_prefill_block_lengths(model):

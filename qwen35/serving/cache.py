@@ -123,21 +123,30 @@ class PagedHybridCache(NamedTuple):
         return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
 
 
-def init_paged_cache(config: Qwen35Config, num_pages: int, page_size: int, num_slots: int, dtype=jnp.float32
-                     ) -> PagedHybridCache:
-    """Zeros: K/V pages for every attention layer, conv + recurrent slots for every GDN layer."""
+def init_paged_cache(config: Qwen35Config, num_pages: int, page_size: int, num_slots: int, dtype=jnp.float32, *,
+                     ranks: int | None = None, sharding=None) -> PagedHybridCache:
+    """Zeros: K/V pages for every attention layer, conv + recurrent slots for every GDN layer.
+
+    With `ranks` (the engine on a mesh), every array gets a leading [ranks] axis: rank r's own pages and slots,
+    numbered from 0 as on one device. `sharding` (a `NamedSharding` splitting that axis) creates each rank's share
+    on its own device, so no device ever holds another rank's cache."""
     c = config
-    layers = []
-    for kind in c.layer_types:
-        if kind == LINEAR:
-            layers.append(GDNState(
-                conv=jnp.zeros((num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim), dtype),
-                recurrent=jnp.zeros((num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                                     c.linear_value_head_dim), jnp.float32)))
-        else:
-            shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
-            layers.append(KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
-    return PagedHybridCache(tuple(layers))
+    lead = () if ranks is None else (ranks,)
+
+    def make():
+        layers = []
+        for kind in c.layer_types:
+            if kind == LINEAR:
+                layers.append(GDNState(
+                    conv=jnp.zeros(lead + (num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim), dtype),
+                    recurrent=jnp.zeros(lead + (num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                c.linear_value_head_dim), jnp.float32)))
+            else:
+                shape = lead + (num_pages, page_size, c.num_key_value_heads, c.head_dim)
+                layers.append(KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
+        return PagedHybridCache(tuple(layers))
+
+    return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
 def layout_bytes(config: Qwen35Config, num_tokens: int, page_size: int, dtype_bytes: int = 2) -> dict:

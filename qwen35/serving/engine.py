@@ -22,13 +22,14 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from qwen35.serving.cache import SCRATCH_PAGE, BlockAllocator, SlotAllocator, init_paged_cache
-from qwen35.serving.runner import FusedStep, LayerwiseStep, StepBatch
+from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
 
-__all__ = ["Engine", "RequestOutput", "StepEvent", "ByteTokenizer"]
+__all__ = ["Engine", "RequestOutput", "StepEvent", "ByteTokenizer", "Rank", "data_parallel"]
 
 
 @dataclasses.dataclass
@@ -83,6 +84,67 @@ def _block_len(n: int) -> int:
     return 16 if n <= 16 else 32 if n <= 32 else _pow4(n, 64)
 
 
+class Rank:
+    """One data-parallel rank's host state: its pages, GDN slots and scheduler, and the tokens in flight on it
+    (prompt + max_tokens of its unfinished requests: what a new request's placement balances)."""
+
+    def __init__(self, max_num_seqs, max_num_batched_tokens, num_blocks, block_size, chunked):
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.slots = SlotAllocator(max_num_seqs + 1)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, self.slots, chunked)
+        self.load = 0
+
+    def add(self, req: Request) -> None:
+        self.load += req.load
+        self.scheduler.add(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        self.load -= req.load
+        self.scheduler.finish(req, reason)
+
+
+def data_parallel(model, mesh=None):
+    """(model placed for serving, `DataParallel` or None): how `Engine` runs `model` on `mesh` (default: the mesh
+    of a model from `shard_model`; None and an unsharded model: one device, no mesh).
+
+    The engine's step is data-parallel over the mesh's "batch" axes. Refused, with the fix: a mesh axis that
+    splits something else (tensor parallelism: a "model" axis of size > 1), a model sharded on another mesh, and
+    the capacity-based all-to-all exchange (it drops tokens; the engine exchanges by all-gather, exactly)."""
+    from qwen35 import sharding as S
+
+    own = getattr(model, "mesh", None)
+    if mesh is None:
+        mesh = own
+    if mesh is None:
+        return model, None
+    if own is not None and own != mesh:
+        raise S.ShardingError(f"the model is sharded on mesh {dict(own.shape)} but the engine was given mesh "
+                              f"{dict(mesh.shape)}; pass the model's own mesh (or none)")
+    rules = getattr(model, "rules", S.LOGICAL_RULES)
+    axes = S.mesh_axes_for("batch", mesh, rules)
+    other = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+    if other:
+        raise S.ShardingError(f"the engine serves attention data-parallel (every mesh axis splits whole sequences), "
+                              f"but mesh axes {other} of {dict(mesh.shape)} split something else (tensor "
+                              f"parallelism); use make_mesh(expert=n) or make_mesh(data=d, expert=e)")
+    expert_axes = S.mesh_axes_for("experts", mesh, rules)
+    if own is None:
+        if expert_axes:
+            model = S.shard_model(model, mesh, rules=rules)
+        else:  # no expert axis (e.g. make_mesh(data=8)): every device holds the whole model
+            from flax import nnx
+
+            graphdef, state = nnx.split(model)
+            model = nnx.merge(graphdef, jax.device_put(state, jax.sharding.NamedSharding(mesh, PartitionSpec())))
+    else:
+        scheme = getattr(model.model.layers[0].mlp, "ep_scheme", "allgather")
+        if scheme != "allgather":
+            raise S.ShardingError(f"the engine exchanges tokens by all-gather / reduce-scatter (exact); a model sharded "
+                                  f"with moe_exchange={scheme!r} drops tokens past capacity. Use "
+                                  f"shard_model(model, mesh, moe_exchange='allgather')")
+    return model, DataParallel(mesh, tuple(axes), tuple(expert_axes))
+
+
 class Engine:
     """Continuous-batching engine over `model` (a `Qwen35ForCausalLM`, sharded or not).
 
@@ -96,12 +158,20 @@ class Engine:
     fused: one jitted program per step (default off CPU) or one per layer (`LayerwiseStep`, default on CPU).
     min_batch_rows: the step's rows are max_num_seqs rounded up to a power of two, at least this (so engines of
       different concurrency share compiled programs; 1 = no floor).
+    mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
+      `qwen35.sharding.shard_model` / `load_sharded`, else one device). Every device on the mesh's "batch" axes
+      (all of `make_mesh(expert=8)`'s 8, or `make_mesh(data=2, expert=4)`'s) is a data-parallel rank with its own
+      scheduler, block allocator, GDN slots and share of the paged cache; the experts stay split as the model's
+      rules place them (an unsharded model is sharded with `shard_model`, or replicated on a mesh with no expert
+      axis). max_num_seqs, max_num_batched_tokens and num_blocks are then *per rank* (as for vLLM's data-parallel
+      engines): `Engine(smodel, max_num_seqs=64)` on 8 devices serves 512 sequences. A new request goes to the rank
+      with the fewest tokens in flight (prompt + max_tokens of its unfinished requests), or to `dp_rank`.
     """
 
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 256,
                  num_blocks: int | None = None, *, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, tokenizer=None, cache_dtype=None, record_history: bool = True,
-                 fused: bool | None = None, min_batch_rows: int = 32):
+                 fused: bool | None = None, min_batch_rows: int = 32, mesh=None):
         c = model.config
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
@@ -109,28 +179,29 @@ class Engine:
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}) so every running sequence can decode in one step")
-        self.model, self.config = model, c
-        self.max_num_seqs, self.max_num_batched_tokens, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         self.max_model_len = int(max_model_len or min(c.max_position_embeddings, 4096))
         if self.max_model_len > c.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds max_position_embeddings "
                              f"{c.max_position_embeddings}")
+        model, self.dp = data_parallel(model, mesh)
+        self.model, self.config = model, c
+        self.max_num_seqs, self.max_num_batched_tokens, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         if num_blocks is None:
             num_blocks = max_num_seqs * math.ceil(self.max_model_len / block_size) + 1
         self.num_blocks = num_blocks
-        self.blocks = BlockAllocator(num_blocks, block_size)
-        self.slots = SlotAllocator(max_num_seqs + 1)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, self.slots,
-                                   enable_chunked_prefill)
         self.chunked = enable_chunked_prefill
+        self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, enable_chunked_prefill)
+                      for _ in range(self.num_ranks)]
         self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _pow2(math.ceil(self.max_model_len / block_size), 1)
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
         # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
         self.fused = (jax.default_backend() != "cpu") if fused is None else fused
-        self._run = FusedStep(model) if self.fused else LayerwiseStep(model)
-        self.cache = init_paged_cache(c, num_blocks, block_size, max_num_seqs + 1, cache_dtype or model.dtype)
+        self._run = FusedStep(model, self.dp) if self.fused else LayerwiseStep(model, self.dp)
+        self.cache = init_paged_cache(c, num_blocks, block_size, max_num_seqs + 1, cache_dtype or model.dtype,
+                                      ranks=None if self.dp is None else self.dp.size,
+                                      sharding=None if self.dp is None else self.dp.sharding())
         self.backend = c.backend
         self.requests: dict[object, Request] = {}
         self._ids = itertools.count()
@@ -140,6 +211,28 @@ class Engine:
         self.num_steps = 0
         self.last_logits = None
         self.keep_logits = False
+
+    @property
+    def num_ranks(self) -> int:
+        """Data-parallel ranks: the devices of the mesh's "batch" axes (1 without a mesh)."""
+        return 1 if self.dp is None else self.dp.size
+
+    # Rank 0's allocators and scheduler (the only ones without a mesh); `ranks` holds every rank's.
+    @property
+    def blocks(self) -> BlockAllocator:
+        return self.ranks[0].blocks
+
+    @property
+    def slots(self) -> SlotAllocator:
+        return self.ranks[0].slots
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.ranks[0].scheduler
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.scheduler.num_preemptions for r in self.ranks)
 
     # -- requests --------------------------------------------------------------------------------------------
     def _encode(self, prompt) -> list[int]:
@@ -155,8 +248,13 @@ class Engine:
                              f"dtype {ids.dtype}")
         return [int(t) for t in ids]
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None) -> object:
-        """Queue a request; returns its id. Raises ValueError (naming the problem) for a bad one."""
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id=None, *,
+                    dp_rank: int | None = None) -> object:
+        """Queue a request; returns its id. Raises ValueError (naming the problem) for a bad one. On a mesh the
+        request runs on `dp_rank` (default: the rank with the fewest tokens in flight)."""
+        if dp_rank is not None and not (isinstance(dp_rank, (int, np.integer)) and 0 <= dp_rank < self.num_ranks):
+            raise ValueError(f"dp_rank must be an int in [0, {self.num_ranks}) (the engine's data-parallel ranks), "
+                             f"got {dp_rank!r}")
         params = (params or SamplingParams()).validate(self.config.vocab_size)
         ids = self._encode(prompt)
         V, L = self.config.vocab_size, self.max_model_len
@@ -179,32 +277,57 @@ class Engine:
         if rid in self.requests and self.requests[rid].status != FINISHED:
             raise ValueError(f"request id {rid!r} is already in flight")
         req = Request(rid, ids, params, next(self._arrival))
+        req.load = len(ids) + params.max_tokens
+        if dp_rank is None:
+            dp_rank = min(range(self.num_ranks), key=lambda r: self.ranks[r].load)  # least loaded, lowest first
+        req.rank = int(dp_rank)
         self.requests[rid] = req
-        self.scheduler.add(req)
+        self.ranks[req.rank].add(req)
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return any(r.scheduler.has_unfinished() for r in self.ranks)
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def build_batch(self, sched: list[tuple[Request, int]]) -> StepBatch:
-        """The padded arrays of one scheduled step (what `step` hands the jitted program)."""
+    def step_shape(self, sched: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
+        """The bucketed sizes (Tb, Sp, Lb, Pc) of a scheduled step (see `StepBatch`).
+
+        Few shapes, so few compiles: rows Sb = max_num_seqs and pages/row P = max_model_len / block_size (both
+        rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most
+        the budget); prefill rows Sp in 1, 4, 16, ... and their block length Lb in 16, 32, 64, 256, 1024, ...
+        (`_block_len`; at most Sb and the budget). Padding costs: every padded token runs through every layer, so
+        a step that adds one short prompt to the decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1.
+        Pc: pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the
+        common case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V."""
+        bs, Sb, P = self.block_size, self.seq_bucket, self.page_bucket
+        q_lens = [n for _, n in sched]
+        pf = [s for s, n in enumerate(q_lens) if n > 1]
+        if not pf:
+            return Sb, 0, 1, 0
+        Sp = min(_pow4(len(pf), 1), Sb)
+        Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
+        Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
+        ctx = max(-(-sched[s][0].num_computed // bs) for s in pf)
+        Pc = min(_pow2(ctx, 1), P) if ctx else 0
+        return Tb, Sp, Lb, self._whole_table(Pc, Lb)
+
+    def _whole_table(self, Pc: int, Lb: int) -> int:
+        """Pc, or P when context + chunk keys would reach the whole block table anyway (then read the table)."""
+        P = self.page_bucket
+        return P if Pc and (Pc * self.block_size + Lb) >= P * self.block_size else Pc
+
+    def build_batch(self, sched: list[tuple[Request, int]], rank: int = 0,
+                    shape: tuple[int, int, int, int] | None = None) -> StepBatch:
+        """The padded arrays of one scheduled step of `rank` (what `step` hands the jitted program), at the sizes
+        `shape` = (Tb, Sp, Lb, Pc) (default: `step_shape(sched)`; on a mesh, the largest over the ranks, so every
+        rank's arrays stack into one [dp, ...] batch)."""
         bs = self.block_size
+        blocks, slot_alloc = self.ranks[rank].blocks, self.ranks[rank].slots
         q_lens = [n for _, n in sched]
         S, T = len(sched), sum(q_lens)
-        # Few shapes, so few compiles: rows Sb = max_num_seqs and pages/row P = max_model_len / block_size (both
-        # rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most
-        # the budget); prefill rows Sp in 1, 4, 16, ... and their block length Lb in 16, 32, 64, 256, 1024, ...
-        # (`_block_len`; at most Sb and the budget). Padding costs: every padded token runs through every layer, so
-        # a step that adds one short prompt to the decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1.
         Sb, P = self.seq_bucket, self.page_bucket
         pf = [s for s, n in enumerate(q_lens) if n > 1]
-        if pf:
-            Sp = min(_pow4(len(pf), 1), Sb)
-            Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
-            Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
-        else:
-            Sp, Lb, Tb = 0, 1, Sb
+        Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
         ns = np.asarray(q_lens, np.int64)
@@ -220,7 +343,7 @@ class Engine:
                 toks.append(req.output[st - len(req.prompt)])
             else:
                 toks.extend(req.tokens(st, st + n))
-            table = self.blocks.tables[id(req)]
+            table = blocks.tables[id(req)]
             pages[s, :len(table)] = table
         tokens[:T] = toks
         row = np.repeat(np.arange(S), ns)  # [T] row of each real token
@@ -240,19 +363,13 @@ class Engine:
         kv_lens[:S] = starts + ns
         last_idx = np.zeros(Sb, np.int32)
         last_idx[:S] = offs[1:] - 1
-        slots = np.full(Sb, self.slots.scratch, np.int32)
-        slots[:S] = [self.slots.owner[id(r)] for r, _ in sched]
+        slots = np.full(Sb, slot_alloc.scratch, np.int32)
+        slots[:S] = [slot_alloc.owner[id(r)] for r, _ in sched]
         fresh = np.zeros(Sb, bool)
         fresh[:S] = starts == 0
         gather_idx = np.zeros((Sp, Lb), np.int32)
         gather_valid = np.zeros((Sp, Lb), bool)
         pf_rows = np.full(Sp, Sb, np.int32)
-        # Pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the common
-        # case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V.
-        ctx = [-(-starts[s] // bs) for s in pf]
-        Pc = min(_pow2(max(ctx), 1), P) if pf and max(ctx) else 0
-        if Pc and (Pc * bs + Lb) >= P * bs:  # context + chunk keys would reach the whole table: read the table
-            Pc = P
         ctx_pages = pages[pf + [Sb - 1] * (Sp - len(pf)), :Pc]  # padding entries read any row (masked out)
         tok_pf = np.zeros(Tb, bool)
         tok_prow = np.zeros(Tb, np.int32)
@@ -277,43 +394,62 @@ class Engine:
                          gather_idx, gather_valid, pf_rows, ctx_pages, tok_row, tok_pf, tok_prow, tok_col, last_idx,
                          temp, top_k, top_p, seeds, counters)
 
+    def _batch(self, scheds: list[list[tuple[Request, int]]]) -> StepBatch:
+        """One step's batch: a rank's own arrays, or on a mesh every rank's stacked [dp, ...] at common sizes and
+        placed on its device (a rank with nothing to run gets a batch of padding)."""
+        if self.dp is None:
+            return self.build_batch(scheds[0])
+        shapes = [self.step_shape(s) for s in scheds if s]
+        Tb, Sp, Lb, Pc = (max(x) for x in zip(*shapes))
+        shape = (Tb, Sp, Lb, self._whole_table(Pc, Lb))
+        per_rank = [self.build_batch(s, r, shape) for r, s in enumerate(scheds)]
+        return jax.device_put(StepBatch(*(np.stack(f) for f in zip(*per_rank))), self.dp.sharding())
+
     def step(self) -> list[StepEvent]:
-        """Run one scheduler step; returns an event for every request that got a token (or finished)."""
+        """Run one scheduler step (every rank's, on a mesh); returns an event for every request that got a token
+        (or finished)."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if not sched:
+        scheds = [r.scheduler.schedule() for r in self.ranks]
+        if not any(scheds):
             if self.has_unfinished():  # cannot happen while admission checks hold; never spin silently
                 raise RuntimeError("the scheduler could not run any request: a queued request does not fit the cache")
             return []
-        batch = self.build_batch(sched)
+        batch = self._batch(scheds)
         toks, logits, self.cache = self._run(self.cache, batch, backend=self.backend, return_logits=self.keep_logits)
-        toks = np.asarray(toks)
+        toks = np.asarray(toks).reshape(self.num_ranks, -1)
         if self.keep_logits:
-            self.last_logits = {r.request_id: np.asarray(logits[s]) for s, (r, _) in enumerate(sched)
-                                if r.num_computed + sched[s][1] == r.num_tokens}
+            logits = np.asarray(logits).reshape(self.num_ranks, *logits.shape[-2:])
+            self.last_logits = {r.request_id: logits[k, s] for k, sched in enumerate(scheds)
+                                for s, (r, n) in enumerate(sched) if r.num_computed + n == r.num_tokens}
         events = []
-        for s, (req, n) in enumerate(sched):
-            req.num_computed += n
-            if req.num_computed < req.num_tokens:  # a prefill chunk that did not reach the end: nothing sampled
-                continue
-            tok = int(toks[s])
-            req.output.append(tok)
-            reason = None
-            if tok in req.params.stop_token_ids:
-                reason = "stop"
-            elif len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(req, reason)
-            events.append(StepEvent(req.request_id, [tok], reason is not None, reason))
+        for k, sched in enumerate(scheds):
+            rank = self.ranks[k]
+            for s, (req, n) in enumerate(sched):
+                req.num_computed += n
+                if req.num_computed < req.num_tokens:  # a prefill chunk that did not reach the end: nothing sampled
+                    continue
+                tok = int(toks[k, s])
+                req.output.append(tok)
+                reason = None
+                if tok in req.params.stop_token_ids:
+                    reason = "stop"
+                elif len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                    reason = "length"
+                if reason:
+                    rank.finish(req, reason)
+                events.append(StepEvent(req.request_id, [tok], reason is not None, reason))
         self.num_steps += 1
         if self.record_history:
+            flat = [(k, r, n) for k, sched in enumerate(scheds) for r, n in sched]
             self.history.append({
                 "step": self.num_steps, "seconds": time.perf_counter() - t0,
                 "rows": [(r.request_id, n, "decode" if n == 1 and r.num_computed > len(r.prompt) else "prefill")
-                         for r, n in sched],
-                "tokens": sum(n for _, n in sched), "padded_tokens": int(batch.tokens.shape[0]),
-                "free_pages": self.blocks.num_free, "preemptions": self.scheduler.num_preemptions})
+                         for _, r, n in flat],
+                "row_ranks": [k for k, _, _ in flat],
+                "tokens": sum(n for _, _, n in flat), "padded_tokens": int(np.prod(batch.tokens.shape)),
+                "free_pages": sum(r.blocks.num_free for r in self.ranks),
+                "free_pages_per_rank": [r.blocks.num_free for r in self.ranks],
+                "preemptions": self.num_preemptions})
         return events
 
     # -- convenience loops -----------------------------------------------------------------------------------

@@ -28,11 +28,13 @@ programs; padding tokens write to the scratch page and padding rows to the scrat
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from qwen35.attention import KVCache, apply_rope, rope_cos_sin, rope_inv_freq
 from qwen35.config import LINEAR
@@ -41,8 +43,10 @@ from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gat
 from qwen35.model import bind_program
 from qwen35.serving.cache import PagedHybridCache
 from qwen35.serving.sampling import sample
+from qwen35.sharding import moe_ep_local
 
-__all__ = ["StepBatch", "attention_backend", "serving_forward", "step_fn", "FusedStep", "LayerwiseStep"]
+__all__ = ["StepBatch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
+           "LayerwiseStep"]
 
 
 class StepBatch(NamedTuple):
@@ -231,15 +235,16 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
     return gdn.out_proj(o), new
 
 
-def _layer(layer, h, st, b: StepBatch, attend):
-    """One decoder layer on the packed tokens h [Tb, H]: mixer (reading/writing its cache) and MoE, residuals."""
+def _layer(layer, h, st, b: StepBatch, attend, routed_fn=None):
+    """One decoder layer on the packed tokens h [Tb, H]: mixer (reading/writing its cache) and MoE, residuals.
+    `routed_fn`: how the MoE sums its routed experts (None: the block's own path; on a mesh, the exchange)."""
     xn = layer.input_layernorm(h)
     if layer.layer_type == LINEAR:
         y, st = _gdn(layer.linear_attn, xn, b, st)
     else:
         y, st = _attention(layer.self_attn, xn, b, st, attend)
     h = h + y
-    m, _ = layer.mlp(layer.post_attention_layernorm(h)[None])
+    m, _ = layer.mlp(layer.post_attention_layernorm(h)[None], routed_fn=routed_fn)
     return h + m[0], st
 
 
@@ -271,12 +276,12 @@ def _sample(logits, b: StepBatch):
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend):
+def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
     """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code)."""
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     new_layers = []
     for layer, st in zip(model.model.layers, cache.layers):
-        h, st = _layer(layer, h, st, b, attend)
+        h, st = _layer(layer, h, st, b, attend, routed_fn)
         new_layers.append(st)
     return _head(HeadParams(model), h, b), PagedHybridCache(tuple(new_layers))
 
@@ -288,45 +293,116 @@ def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", 
     return _step(nnx.merge(graphdef, params), cache, batch, backend, return_logits)
 
 
-def _step(model, cache, batch, backend, return_logits):
-    logits, cache = serving_forward(model, cache, batch, attention_backend(backend))
+def _step(model, cache, batch, backend, return_logits, routed_fn=None):
+    logits, cache = serving_forward(model, cache, batch, attention_backend(backend), routed_fn)
     return _sample(logits, batch), (logits if return_logits else None), cache
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data-parallel ranks on a mesh: every device runs its own sequences' step; the MoE exchanges tokens.
+class DataParallel(NamedTuple):
+    """Where the engine's step runs: one data-parallel rank per device of `mesh`'s `axes` (the "batch" rule's
+    axes: every axis but "model"), each with its own sequences, pages and GDN slots; the experts split over
+    `expert_axes` (a subset of `axes`, or none: experts whole on every device).
+
+    Every array of a step (batch, cache, hidden states, sampled tokens) carries a leading [dp] axis split over
+    `axes`, so a device holds only its own rank's slice. The step is a `jax.shard_map` over the mesh: inside it,
+    attention and the GDN run on the rank's own rows, pages and slots with no communication, and each MoE layer
+    all-gathers the tokens and their packed routing metadata over `expert_axes`, sums its local experts and
+    reduce-scatters the results back (`qwen35.sharding.moe_ep_local`)."""
+
+    mesh: jax.sharding.Mesh
+    axes: tuple
+    expert_axes: tuple
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self.mesh.shape[a] for a in self.axes))
+
+    def spec(self) -> P:
+        return P(self.axes)
+
+    def sharding(self) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.mesh, self.spec())
+
+    def routed_fn(self):
+        return functools.partial(moe_ep_local, expert_axes=self.expert_axes)
+
+
+def _leaf_spec(a, dp: DataParallel) -> P:
+    s = getattr(a, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding) and s.mesh == dp.mesh:
+        return s.spec
+    return P()
+
+
+def _on_ranks(fn, dp: DataParallel | None, specs):
+    """`fn(leaves, *args)` as run on every rank: without `dp`, `fn` itself; with it, a `shard_map` whose `args` and
+    outputs carry the leading [dp] axis (each device sees [1, ...] and `fn` gets it squeezed) and whose parameter
+    leaves keep their own placement (`specs`: experts split, the rest replicated)."""
+    if dp is None:
+        return fn
+    r = dp.spec()
+
+    def body(leaves, *args):
+        out = fn(leaves, *jax.tree.map(lambda a: a[0], args))
+        return jax.tree.map(lambda a: a[None], out)
+
+    def run(leaves, *args):
+        return jax.shard_map(body, mesh=dp.mesh, in_specs=(list(specs),) + (r,) * len(args), out_specs=r,
+                             check_vma=False)(leaves, *args)
+    return run
 
 
 # Programs bound to a module's structure by `qwen35.model.bind_program` (why: see there), called with the flat
 # parameter arrays taken once, when the engine is built.
-def _program(kind: str, module):
-    """(jitted program for `kind` closed over `module`'s structure, the module's flat parameter arrays)."""
-    program, state = bind_program(kind, module, _BUILDERS[kind])
+def _program(kind: str, module, dp: DataParallel | None = None):
+    """(jitted program for `kind` closed over `module`'s structure and, on a mesh, its parameters' placement; the
+    module's flat parameter arrays)."""
+    state = nnx.state(module)
+    leaves = jax.tree.leaves(state)
+    specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in leaves)
+    program, state = bind_program((kind, dp, specs), module,
+                                  lambda merge: _BUILDERS[kind](merge, dp, specs))
     return program, jax.tree.leaves(state)
 
 
-def _build_step(merge):
+def _build_step(merge, dp, specs):
+    routed = None if dp is None else dp.routed_fn()
+
     @functools.partial(jax.jit, static_argnames=("backend", "return_logits"), donate_argnames=("cache",))
     def run(leaves, cache, batch, *, backend, return_logits):
-        return _step(merge(leaves), cache, batch, backend, return_logits)
+        def local(leaves, cache, batch):
+            return _step(merge(leaves), cache, batch, backend, return_logits, routed)
+        return _on_ranks(local, dp, specs)(leaves, cache, batch)
     return run
 
 
-def _build_embed(merge):
+def _build_embed(merge, dp, specs):
     @functools.partial(jax.jit, static_argnames=("dtype",))
     def run(leaves, tokens, *, dtype):
-        return merge(leaves)(tokens, dtype)
+        return _on_ranks(lambda leaves, tokens: merge(leaves)(tokens, dtype), dp, specs)(leaves, tokens)
     return run
 
 
-def _build_layer(merge):
+def _build_layer(merge, dp, specs):
+    routed = None if dp is None else dp.routed_fn()
+
     @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("st",))
     def run(leaves, h, st, b, *, backend):
-        return _layer(merge(leaves), h, st, b, attention_backend(backend))
+        def local(leaves, h, st, b):
+            return _layer(merge(leaves), h, st, b, attention_backend(backend), routed)
+        return _on_ranks(local, dp, specs)(leaves, h, st, b)
     return run
 
 
-def _build_head(merge):
+def _build_head(merge, dp, specs):
     @functools.partial(jax.jit, static_argnames=("return_logits",))
     def run(leaves, h, b, *, return_logits):
-        logits = _head(merge(leaves), h, b)
-        return _sample(logits, b), (logits if return_logits else None)
+        def local(leaves, h, b):
+            logits = _head(merge(leaves), h, b)
+            return _sample(logits, b), (logits if return_logits else None)
+        return _on_ranks(local, dp, specs)(leaves, h, b)
     return run
 
 
@@ -334,10 +410,11 @@ _BUILDERS = {"step": _build_step, "embed": _build_embed, "layer": _build_layer, 
 
 
 class FusedStep:
-    """`step_fn` for a loop: the whole step as one jitted program (best on accelerators), bound to `model` once."""
+    """`step_fn` for a loop: the whole step as one jitted program (best on accelerators), bound to `model` once.
+    With `dp`, the program runs every data-parallel rank of the mesh (inputs and outputs with a leading [dp])."""
 
-    def __init__(self, model):
-        self.run, self.leaves = _program("step", model)
+    def __init__(self, model, dp: DataParallel | None = None):
+        self.run, self.leaves = _program("step", model, dp)
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
         return self.run(self.leaves, cache, batch, backend=backend, return_logits=return_logits)
@@ -349,13 +426,14 @@ class LayerwiseStep:
     Layers of one kind share a graph definition and shapes, so the 6 GDN layers of the tiny model compile once,
     the 2 attention layers once: compile time drops by about the number of layers per kind, for one dispatch per
     layer at run time. The engine uses it on CPU, where compiling dominates short runs; `FusedStep` elsewhere.
+    With `dp`, each program runs every data-parallel rank of the mesh, as `FusedStep`'s does.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, dp: DataParallel | None = None):
         self.dtype = model.dtype
-        self.embed = _program("embed", model.model.embed_tokens)
-        self.layers = [_program("layer", layer) for layer in model.model.layers]
-        self.head = _program("head", HeadParams(model))  # the final norm and lm_head only
+        self.embed = _program("embed", model.model.embed_tokens, dp)
+        self.layers = [_program("layer", layer, dp) for layer in model.model.layers]
+        self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
         embed, leaves = self.embed

@@ -40,6 +40,8 @@ class Request:
     status: str = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    rank: int = 0  # the data-parallel rank that runs it (`Engine` on a mesh)
+    load: int = 0  # tokens it may hold: prompt + max_tokens (what the engine balances ranks by)
 
     @property
     def num_tokens(self) -> int:

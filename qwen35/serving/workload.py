@@ -77,7 +77,7 @@ def run_workload(engine: Engine, requests, *, progress: bool = True, desc: str =
             "chips": chips, "tps_per_chip": (n_in + n_out) / duration / chips, "output_tps": n_out / duration,
             "mean_ttft_s": float(np.mean([first[r] - t0 for r in ids])),
             "mean_tpot_ms": float(np.mean(tpot)) * 1e3 if tpot else float("nan"),
-            "steps": engine.num_steps, "preemptions": engine.scheduler.num_preemptions}
+            "steps": engine.num_steps, "preemptions": engine.num_preemptions}
 
 
 def format_table(rows: list[dict]) -> str:
