@@ -13,6 +13,8 @@
    headline). Steps have max_num_seqs rows (min_batch_rows=1): the engine at its concurrency.
 2. Decode step time vs batch size (figure figures/serving_decode_step.png): B sequences at a fixed context.
 3. Page size 16 vs 256: the decode step time at the same batch and context.
+4. The engine's decode tokens/s against the model's own jitted decode at the same batch (`engine_vs_model`; the
+   `small` preset, 8 and 32 sequences, the engine's defaults): what serving machinery costs over a bare loop.
 
 Prints tables and saves JSON under `qwen35.utils.results_dir()` (serving_<backend>.json).
 """
@@ -114,12 +116,56 @@ def decode_step_ms(model, B: int, context: int, block_size: int, steps: int) -> 
     return float(np.median(dec)) * 1e3
 
 
+def engine_vs_model(model, B: int, prompt_len: int = 16, new_tokens: int = 64, rounds: int = 5) -> dict:
+    """Decode tokens/s of the engine (its defaults, as a user gets them) against the model's own jitted decode
+    (`model(tok, cache=cache)` per token, greedy) at the same batch B: B prompts of `prompt_len` tokens, then
+    `new_tokens` decode steps each. Rounds alternate the two (a shared machine's drift cancels out of each round's
+    ratio); the engine's step time is the median of its decode-only steps with all B sequences, the model's the
+    mean over its decode loop. Returns both medians and the median of the per-round ratios."""
+    import jax.numpy as jnp
+
+    prompts = np.random.default_rng(B).integers(0, model.config.vocab_size, size=(B, prompt_len))
+
+    def model_step():
+        cache = model.init_cache(B, prompt_len + new_tokens)
+        logits, cache = model(jnp.asarray(prompts), cache=cache)
+        tok = jnp.argmax(logits[:, -1], -1)[:, None]
+        jax.block_until_ready(tok)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            logits, cache = model(tok, cache=cache)
+            tok = jnp.argmax(logits[:, -1], -1)[:, None]
+        jax.block_until_ready(tok)
+        return (time.perf_counter() - t0) / new_tokens
+
+    engine = Engine(model, max_num_seqs=B)
+
+    def engine_step():
+        engine.history.clear()
+        for p in prompts:
+            engine.add_request(p.tolist(), SamplingParams(max_tokens=new_tokens))
+        while engine.has_unfinished():
+            engine.step()
+        dec = [h["seconds"] for h in engine.history
+               if len(h["rows"]) == B and all(k == "decode" for _, _, k in h["rows"])]
+        return float(np.median(dec))
+
+    model_step(), engine_step()  # compile
+    runs = [(model_step(), engine_step()) for _ in range(rounds)]
+    m, e = (float(np.median(x)) for x in zip(*runs))
+    return {"batch": B, "model_step_ms": m * 1e3, "engine_step_ms": e * 1e3,
+            "engine_over_model": float(np.median([a / b for a, b in runs])),
+            "round_ratios": [round(a / b, 3) for a, b in runs]}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--repeats", type=int, default=5, help="timed static/continuous pairs (the median pair is kept)")
+    ap.add_argument("--vs-model-preset", default="small", help="the model of section 4 (engine vs model decode)")
+    ap.add_argument("--skip-vs-model", action="store_true")
     args = ap.parse_args(argv)
     print(env_summary())
     model = Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(0))
@@ -188,7 +234,20 @@ def main(argv=None) -> dict:
     print(f"\n3. decode step, batch {Bp}, context {ctxp}: page 16 {pages[16]:.2f} ms, page 256 {pages[256]:.2f} ms "
           f"(256/16 = {pages[256] / pages[16]:.2f}x; the Ironwood post's Pallas kernel on v7x: 283/428 = 0.66x)")
 
-    out = {"machine": machine_info(), "preset": args.preset, "batching": steady["runs"],
+    # 4. the engine's decode against the model's own --------------------------------------------------------------
+    vs_model = []
+    if not args.skip_vs_model:
+        small = Qwen35ForCausalLM(get_preset(args.vs_model_preset), rngs=nnx.Rngs(0))
+        print(f"\n4. decode tokens/s, the engine (defaults) over the model's own jitted decode, "
+              f"{args.vs_model_preset} preset, 16-token prompts, 64 new tokens (target >= 0.8x)")
+        print(f"{'batch':>6}{'model ms':>10}{'engine ms':>11}{'engine/model':>14}  per round")
+        for b in ((8,) if args.quick else (8, 32)):
+            r = engine_vs_model(small, b, rounds=3 if args.quick else 5)
+            vs_model.append(r)
+            print(f"{b:>6}{r['model_step_ms']:>10.1f}{r['engine_step_ms']:>11.1f}{r['engine_over_model']:>13.2f}x  "
+                  f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])}")
+
+    out = {"machine": machine_info(), "preset": args.preset, "batching": steady["runs"], "engine_vs_model": vs_model,
            "continuous_over_static": steady["continuous_over_static"], "pair_ratios": steady["pair_ratios"],
            "batching_by_requests": list(batching.values()), "decode_curve": curve, "page_size_step_ms": pages}
     print(f"saved {save_json(out, args.json, f'serving_{jax.default_backend()}.json')}")

@@ -65,6 +65,7 @@ def assert_greedy(outs, reference, reference_logits, max_tokens, what):
 
 
 def make_engine(model, concurrency, block_size, chunked=True, num_blocks=None, **kw):
+    kw.setdefault("min_batch_rows", 32)  # every step 32 rows: engines of any concurrency share compiled programs
     return Engine(model, max_num_seqs=concurrency, max_num_batched_tokens=BUDGET, block_size=block_size,
                   num_blocks=num_blocks or NUM_BLOCKS[block_size], max_model_len=MAX_LEN,
                   enable_chunked_prefill=chunked, **kw)
@@ -288,20 +289,20 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
         run = engine._run
 
         def record(cache, batch, **kw):
-            key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]), batch.ctx_pages.shape)
+            key = (batch.tokens.shape, batch.gather_idx.shape, int(batch.num_seqs[0]), batch.ctx_pages.shape,
+                   batch.page_indices.shape[1])
             seen.setdefault(key, batch)
             return run(cache, batch, **kw)
 
         engine._run = record
         engine.generate(prompts[:12], [SamplingParams(max_tokens=m) for m in max_tokens[:12]])
         assert any(k[1][0] == 0 for k in seen) and any(k[1][0] > 0 and k[0][0] > k[1][0] for k in seen)
-        P = engine.page_bucket
-        modes |= {"own" if k[3][1] == 0 else "whole table" if k[3][1] == P else "context"
+        modes |= {"own" if k[3][1] == 0 else "whole table" if k[3][1] == k[4] else "context"
                   for k in seen if k[1][0] > 0}
         rng = np.random.default_rng(0)
         kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
         Hq = model.config.num_attention_heads
-        for (_, _, S, _), b in seen.items():
+        for (_, _, S, _, _), b in seen.items():
             q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
             k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
             T = int(b.cu_q_lens[S])

@@ -57,6 +57,7 @@ def meshes():
 
 
 def make_engine(model, mesh, block_size=16, chunked=True, max_num_seqs=2, num_blocks=None, **kw):
+    kw.setdefault("min_batch_rows", max_num_seqs)  # one row count per engine: fewer programs to compile
     return Engine(model, mesh=mesh, max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET, block_size=block_size,
                   num_blocks=num_blocks or max_num_seqs * -(-MAX_LEN // block_size) + 1, max_model_len=MAX_LEN,
                   enable_chunked_prefill=chunked, **kw)
@@ -83,7 +84,9 @@ def test_batch_invariance_on_a_mesh(model, prompts, max_tokens, reference, mesh,
     """Every request's greedy tokens equal `generate` alone on one device, whichever rank ran it and whatever the
     other ranks ran beside it (prefill chunks, decodes, padding ranks)."""
     mesh = meshes()[mesh]()
-    engine = make_engine(model, mesh, block_size, chunked)
+    # One sequence per rank on 8 ranks, two on one device: 12 requests then always outnumber the slots, so later
+    # requests prefill while others decode (on another rank, or beside them on the one device).
+    engine = make_engine(model, mesh, block_size, chunked, max_num_seqs=1 if mesh.size > 1 else 2)
     assert engine.num_ranks == mesh.size
     outs = engine.generate(prompts, [SamplingParams(max_tokens=m) for m in max_tokens])
     assert_greedy(outs, reference, max_tokens, f"differs from generate on {dict(mesh.shape)}")

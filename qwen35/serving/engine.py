@@ -19,6 +19,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -59,6 +60,17 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class StepShape(NamedTuple):
+    """A step's bucketed sizes (see `Engine.step_shape` and `StepBatch`)."""
+
+    Sb: int  # rows
+    P: int   # pages per row
+    Tb: int  # tokens
+    Sp: int  # prefill rows
+    Lb: int  # prefill block length
+    Pc: int  # context pages per prefill row
 
 
 def _pow2(n: int, lo: int) -> int:
@@ -156,8 +168,9 @@ class Engine:
     enable_chunked_prefill: split long prompts across steps (mixed with decodes) instead of prefilling whole.
     tokenizer: anything with encode/decode for string prompts (default: `ByteTokenizer` if the vocab has >= 256).
     fused: one jitted program per step (default off CPU) or one per layer (`LayerwiseStep`, default on CPU).
-    min_batch_rows: the step's rows are max_num_seqs rounded up to a power of two, at least this (so engines of
-      different concurrency share compiled programs; 1 = no floor).
+    min_batch_rows: a step's rows are its scheduled sequences rounded up to a power of two, at least this (a
+      floor of 32 lets engines of different concurrency share compiled programs, as the tests do; the default 1
+      pads least).
     mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
       `qwen35.sharding.shard_model` / `load_sharded`, else one device). Every device on the mesh's "batch" axes
       (all of `make_mesh(expert=8)`'s 8, or `make_mesh(data=2, expert=4)`'s) is a data-parallel rank with its own
@@ -171,7 +184,7 @@ class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 256,
                  num_blocks: int | None = None, *, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, tokenizer=None, cache_dtype=None, record_history: bool = True,
-                 fused: bool | None = None, min_batch_rows: int = 32, mesh=None):
+                 fused: bool | None = None, min_batch_rows: int = 1, mesh=None):
         c = model.config
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
@@ -192,7 +205,8 @@ class Engine:
         self.chunked = enable_chunked_prefill
         self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, enable_chunked_prefill)
                       for _ in range(self.num_ranks)]
-        self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)
+        self.min_batch_rows = min_batch_rows
+        self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)  # the most rows a step can have
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _pow2(math.ceil(self.max_model_len / block_size), 1)
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
@@ -289,45 +303,48 @@ class Engine:
         return any(r.scheduler.has_unfinished() for r in self.ranks)
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def step_shape(self, sched: list[tuple[Request, int]]) -> tuple[int, int, int, int]:
-        """The bucketed sizes (Tb, Sp, Lb, Pc) of a scheduled step (see `StepBatch`).
+    def step_shape(self, sched: list[tuple[Request, int]]) -> StepShape:
+        """The bucketed sizes of a scheduled step (see `StepBatch`), each a power of two or so: few shapes, few
+        compiles, and every size follows the step's own work, not the engine's limits.
 
-        Few shapes, so few compiles: rows Sb = max_num_seqs and pages/row P = max_model_len / block_size (both
-        rounded up to powers of two); tokens Tb = Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most
-        the budget); prefill rows Sp in 1, 4, 16, ... and their block length Lb in 16, 32, 64, 256, 1024, ...
-        (`_block_len`; at most Sb and the budget). Padding costs: every padded token runs through every layer, so
-        a step that adds one short prompt to the decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1.
-        Pc: pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the
-        common case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V."""
-        bs, Sb, P = self.block_size, self.seq_bucket, self.page_bucket
+          Sb  rows: the scheduled sequences, at least `min_batch_rows`, at most max_num_seqs (rounded up);
+          P   pages per row: the longest block table of the step (so a decode at context 100 reads 128 keys per
+              row, not max_model_len's);
+          Tb  tokens: Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most the budget);
+          Sp  prefill rows in 1, 4, 16, ... and Lb their block length in 16, 32, 64, 256, 1024, ... (`_block_len`);
+          Pc  pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the
+              common case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V.
+        Padding costs: every padded token runs through every layer, so a step that adds one short prompt to the
+        decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1."""
+        bs = self.block_size
         q_lens = [n for _, n in sched]
+        Sb = min(_pow2(len(sched), self.min_batch_rows), self.seq_bucket)
+        P = min(_pow2(max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1), 1), self.page_bucket)
         pf = [s for s, n in enumerate(q_lens) if n > 1]
         if not pf:
-            return Sb, 0, 1, 0
+            return StepShape(Sb, P, Sb, 0, 1, 0)
         Sp = min(_pow4(len(pf), 1), Sb)
         Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
         Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
         ctx = max(-(-sched[s][0].num_computed // bs) for s in pf)
         Pc = min(_pow2(ctx, 1), P) if ctx else 0
-        return Tb, Sp, Lb, self._whole_table(Pc, Lb)
+        return StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P))
 
-    def _whole_table(self, Pc: int, Lb: int) -> int:
+    def _whole_table(self, Pc: int, Lb: int, P: int) -> int:
         """Pc, or P when context + chunk keys would reach the whole block table anyway (then read the table)."""
-        P = self.page_bucket
         return P if Pc and (Pc * self.block_size + Lb) >= P * self.block_size else Pc
 
-    def build_batch(self, sched: list[tuple[Request, int]], rank: int = 0,
-                    shape: tuple[int, int, int, int] | None = None) -> StepBatch:
+    def build_batch(self, sched: list[tuple[Request, int]], rank: int = 0, shape: StepShape | None = None
+                    ) -> StepBatch:
         """The padded arrays of one scheduled step of `rank` (what `step` hands the jitted program), at the sizes
-        `shape` = (Tb, Sp, Lb, Pc) (default: `step_shape(sched)`; on a mesh, the largest over the ranks, so every
-        rank's arrays stack into one [dp, ...] batch)."""
+        `shape` (default: `step_shape(sched)`; on a mesh, the largest over the ranks, so every rank's arrays stack
+        into one [dp, ...] batch)."""
         bs = self.block_size
         blocks, slot_alloc = self.ranks[rank].blocks, self.ranks[rank].slots
         q_lens = [n for _, n in sched]
         S, T = len(sched), sum(q_lens)
-        Sb, P = self.seq_bucket, self.page_bucket
         pf = [s for s, n in enumerate(q_lens) if n > 1]
-        Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
+        Sb, P, Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
         ns = np.asarray(q_lens, np.int64)
@@ -399,9 +416,8 @@ class Engine:
         placed on its device (a rank with nothing to run gets a batch of padding)."""
         if self.dp is None:
             return self.build_batch(scheds[0])
-        shapes = [self.step_shape(s) for s in scheds if s]
-        Tb, Sp, Lb, Pc = (max(x) for x in zip(*shapes))
-        shape = (Tb, Sp, Lb, self._whole_table(Pc, Lb))
+        Sb, P, Tb, Sp, Lb, Pc = (max(x) for x in zip(*(self.step_shape(s) for s in scheds if s)))
+        shape = StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P))
         per_rank = [self.build_batch(s, r, shape) for r, s in enumerate(scheds)]
         return jax.device_put(StepBatch(*(np.stack(f) for f in zip(*per_rank))), self.dp.sharding())
 
