@@ -211,3 +211,35 @@ def test_pallas_backend_on_a_mesh():
                            name=f"request {i}, Pallas engine on a mesh vs XLA generate")
         assert len(o.token_ids) == 3
     assert_all_free(engine)
+
+
+def test_step_memory_from_shapes_alone():
+    """`qwen35.serving.plan.step_memory` compiles the engine's own step from shapes: its per-device cache bytes
+    equal the engine's allocator arithmetic (pages of every attention layer, slots of every GDN layer, for
+    concurrency / 8 sequences on the DP layout and all of them on the replicated one), its weights the model's
+    bytes with the experts split 8 ways; replicating attention multiplies the cache by 8."""
+    from qwen35.serving.plan import step_memory
+
+    cfg = tiny()
+    mesh = sharding.make_mesh(expert=8)
+    C, ctx, bs = 64, 200, 16
+    plans = {lay: step_memory(cfg, mesh, concurrency=C, context=ctx, block_size=bs, layout=lay,
+                              param_dtype=np.float32, fp8_experts=False) for lay in ("dp", "replicated")}
+    kv_page = bs * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # one layer's K and V page, float32
+    slot = cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * 4 + (
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
+    for lay, seqs in (("dp", C // 8), ("replicated", C)):
+        p = plans[lay]
+        blocks = seqs * -(-ctx // bs) + 1
+        assert p["num_blocks"] == blocks and p["seqs_per_cache"] == seqs
+        assert p["cache"] == cfg.num_full_layers * blocks * kv_page + cfg.num_linear_layers * (seqs + 1) * slot
+    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    experts = sum(layer.mlp.experts.gate_up_proj[...].nbytes + layer.mlp.experts.down_proj[...].nbytes
+                  for layer in model.model.layers)
+    assert plans["dp"]["weights"] == model.num_params() * 4 - experts + experts // 8
+    assert plans["dp"]["weights"] == plans["replicated"]["weights"]
+    assert plans["replicated"]["cache"] > 7 * plans["dp"]["cache"]
+    for lay in plans:
+        assert set(plans[lay]["programs"]) == {"embed", "layer (linear_attention)", "layer (full_attention)", "head"}
+        p = plans[lay]
+        assert p["temp"] > 0 and p["total"] == p["weights"] + p["cache"] + p["temp"]

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -41,11 +42,11 @@ from qwen35.config import LINEAR
 from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                         gated_delta_rule_step)
 from qwen35.model import bind_program
-from qwen35.serving.cache import PagedHybridCache
+from qwen35.serving.cache import SCRATCH_PAGE, PagedHybridCache
 from qwen35.serving.sampling import sample
 from qwen35.sharding import moe_ep_local
 
-__all__ = ["StepBatch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
+__all__ = ["StepBatch", "padding_batch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
            "LayerwiseStep"]
 
 
@@ -83,6 +84,21 @@ class StepBatch(NamedTuple):
     counters: jax.Array      # [Sb] tokens generated so far (folds into the row's key)
 
 
+def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, scratch_slot: int = 0,
+                  page_size: int = 1) -> StepBatch:
+    """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row the
+    scratch slot (`scratch_slot`), nothing is visible. What an idle rank runs beside busy ones, and, through
+    `jax.ShapeDtypeStruct`s of its arrays, the shapes a step is compiled for from shapes alone."""
+    z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
+    return StepBatch(tokens=z(Tb), positions=z(Tb), slot_mapping=np.full(Tb, SCRATCH_PAGE * page_size, np.int32),
+                     cu_q_lens=z(Sb + 1), kv_lens=z(Sb), page_indices=np.full((Sb, P), SCRATCH_PAGE, np.int32),
+                     num_seqs=z(1), slots=np.full(Sb, scratch_slot, np.int32), fresh=z(Sb, dtype=bool),
+                     gather_idx=z(Sp, Lb), gather_valid=z(Sp, Lb, dtype=bool), pf_rows=np.full(Sp, Sb, np.int32),
+                     ctx_pages=np.full((Sp, Pc), SCRATCH_PAGE, np.int32), tok_row=z(Tb), tok_pf=z(Tb, dtype=bool),
+                     tok_prow=z(Tb), tok_col=z(Tb), last_idx=z(Sb), temperature=z(Sb, dtype=np.float32),
+                     top_k=z(Sb), top_p=np.ones(Sb, np.float32), seeds=z(Sb, dtype=np.uint32), counters=z(Sb))
+
+
 def attention_backend(backend: str):
     """The step's ragged paged attention for `backend`, as `attend(q, k, v, k_pages, v_pages, batch) -> [Tb, Hq, D]`
     (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages): the Pallas kernel for
@@ -101,7 +117,10 @@ def _softmax_attend(spec: str, qg, k, v, mask, scale):
     [L, Hkv, D]), e.g. "pj,p" for a block of queries per row; mask has q's leading axes + [L]. Fully masked
     queries give 0."""
     qa, ka = spec.split(",")
-    s = jnp.einsum(f"{qa}kgd,{ka}lkd->{qa}kgl", qg, k) * scale
+    # Keys in their stored dtype, products accumulated in float32: exact for a bf16 cache and bf16 queries (q's
+    # float32 copy of bf16 values rounds back exactly), without a float32 copy of every gathered key.
+    q_in = qg.astype(k.dtype) if qg.dtype != k.dtype and jnp.finfo(k.dtype).bits < 32 else qg
+    s = jnp.einsum(f"{qa}kgd,{ka}lkd->{qa}kgl", q_in, k, preferred_element_type=jnp.float32) * scale
     mask = mask[..., None, None, :]
     s = jnp.where(mask, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
@@ -128,9 +147,9 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
     G, L = Hq // Hkv, P * PS
     scale = D ** -0.5
 
-    def pages(table):  # [R, P'] page ids -> K, V [R, P'·PS, Hkv, D] float32
+    def pages(table):  # [R, P'] page ids -> K [R, P'·PS, Hkv, D] (stored dtype), V (float32)
         R, n = table.shape
-        return (k_pages[table].reshape(R, n * PS, Hkv, D).astype(jnp.float32),
+        return (k_pages[table].reshape(R, n * PS, Hkv, D),
                 v_pages[table].reshape(R, n * PS, Hkv, D).astype(jnp.float32))
 
     k, v = pages(b.page_indices)
@@ -152,7 +171,7 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
             pos = start[:, None] + j[None, :]  # [Sp, Lb]
             mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
         else:
-            keys = k_new[b.gather_idx].astype(jnp.float32)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
+            keys = k_new[b.gather_idx].astype(k_pages.dtype)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
             vals = v_new[b.gather_idx].astype(jnp.float32)
             mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
             if Pc:  # a chunk that continues a sequence: its earlier tokens from the first Pc pages come first

@@ -1,0 +1,126 @@
+"""The engine's memory on a real host, from shapes alone: its own decode step compiled for a mesh, per-device bytes
+read from the compiled programs' memory analysis.
+
+    plan = step_memory(qwen35.qwen35_397b_a17b(), mesh, concurrency=512, context=8192 + 1024)          # DP x EP
+    plan = step_memory(qwen35.qwen35_397b_a17b(), mesh, concurrency=512, context=9216, layout="replicated")
+
+Nothing is allocated: the model comes from `Qwen35ForCausalLM.abstract`, its parameters and the engine's paged
+cache are `jax.ShapeDtypeStruct`s placed on the mesh, and each program is lowered and compiled (XLA works out
+every buffer's size per device) but never run. The programs are the engine's own `LayerwiseStep` (one per layer,
+as it runs on CPU): each layer's program holds that layer's weights and cache, so the step's per-device bytes are
+the sum over layers of their arguments plus the largest scratch (temp) space any one of them needs.
+
+Two layouts of the same `concurrency` sequences on the same devices:
+  "dp"          the engine on the mesh: each device one data-parallel rank with concurrency / n sequences (its own
+                pages and slots), experts split by expert parallelism;
+  "replicated"  attention not data-parallel: one engine whose cache holds every sequence, placed on every device
+                (what the engine did before it ran on a mesh), experts split the same way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35.serving.cache import init_paged_cache
+from qwen35.serving.engine import _page_width, _pow2
+from qwen35.serving.runner import DataParallel, LayerwiseStep, padding_batch
+
+__all__ = ["step_memory", "LAYOUTS"]
+
+LAYOUTS = ("dp", "replicated")
+
+
+def _sds(tree, sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int = 256, layout: str = "dp",
+                param_dtype=jnp.bfloat16, fp8_experts: bool = True, moe_impl: str = "sorted") -> dict:
+    """Per-device bytes of the engine's decode step for `config` on `mesh` at `concurrency` sequences of `context`
+    tokens (the paged cache sized as the engine's allocator sizes it: ceil(context / block_size) pages per
+    sequence plus the scratch page, one GDN slot per sequence plus the scratch slot), compiled from shapes alone.
+
+    Returns {"layout", "devices", "seqs_per_cache", "num_blocks", "weights", "cache", "temp", "total"} in bytes
+    per device (weights and cache: the compiled programs' argument bytes; temp: the largest scratch of any one
+    program) and the per-program figures under "programs"."""
+    from flax import nnx
+
+    from qwen35 import sharding as S
+    from qwen35.model import Qwen35ForCausalLM
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    rules = S.LOGICAL_RULES
+    S.check_mesh(config, mesh, rules)
+    dp_axes, ex_axes = S.mesh_axes_for("batch", mesh, rules), S.mesh_axes_for("experts", mesh, rules)
+    n_dp = math.prod(mesh.shape[a] for a in dp_axes)
+    ranks = n_dp if layout == "dp" else 1
+    if concurrency % ranks:
+        raise S.ShardingError(f"concurrency {concurrency} cannot be split over {ranks} data-parallel ranks; use a "
+                              f"multiple of {ranks}")
+    seqs = concurrency // ranks
+    pages_per_seq = -(-context // block_size)
+    num_blocks = seqs * pages_per_seq + 1
+
+    model = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
+    graphdef, state = nnx.split(model)
+    specs = S.param_specs(nnx.state(model, nnx.Param), mesh, rules)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                            sharding=jax.sharding.NamedSharding(mesh, s)), state, specs)
+    model = nnx.merge(graphdef, placed)
+    if layout == "dp":
+        dp = DataParallel(mesh, tuple(dp_axes), tuple(ex_axes))
+        where = dp.sharding()
+    else:
+        dp = None
+        for layer in model.model.layers:
+            layer.mlp.use_expert_parallel(mesh, "allgather")
+        where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    dtype = jnp.dtype(param_dtype)
+    cache = jax.eval_shape(lambda: init_paged_cache(config, num_blocks, block_size, seqs + 1, dtype,
+                                                    ranks=None if dp is None else ranks))
+    cache = _sds(cache, where)
+    Sb, P = _pow2(seqs, 1), _page_width(pages_per_seq)
+    batch = padding_batch(Sb, P, Sb, scratch_slot=seqs, page_size=block_size)  # a decode step: Tb = Sb
+    lead = () if dp is None else (ranks,)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + a.shape, a.dtype, sharding=where), batch)
+    h = jax.ShapeDtypeStruct(lead + (Sb, config.hidden_size), dtype, sharding=where)
+
+    run = LayerwiseStep(model, dp)
+    progs = {}
+
+    def analyse(name, program, *args, **kw):
+        if name not in progs:
+            m = program.lower(*args, **kw).compile().memory_analysis()
+            progs[name] = {"arguments": int(m.argument_size_in_bytes), "outputs": int(m.output_size_in_bytes),
+                           "temp": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
+        return progs[name]
+
+    def nbytes_per_device(tree):
+        total = 0
+        for a in jax.tree.leaves(tree):
+            shard = a.sharding.shard_shape(a.shape)
+            total += int(np.prod(shard)) * jnp.dtype(a.dtype).itemsize
+        return total
+
+    weights = cache_bytes = temp = 0
+    embed, leaves = run.embed
+    analyse("embed", embed, leaves, batch.tokens, dtype=dtype)
+    weights += nbytes_per_device(leaves)
+    for i, ((prog, leaves), st) in enumerate(zip(run.layers, cache.layers)):
+        kind = config.layer_types[i]
+        analyse(f"layer ({kind})", prog, leaves, h, st, batch, backend=config.backend)
+        weights += nbytes_per_device(leaves)
+        cache_bytes += nbytes_per_device(st)
+    head, leaves = run.head
+    analyse("head", head, leaves, h, batch, return_logits=False)
+    weights += nbytes_per_device(leaves)
+    temp = max(p["temp"] for p in progs.values())
+    return {"layout": layout, "devices": mesh.size, "ranks": ranks, "seqs_per_cache": seqs,
+            "num_blocks": num_blocks, "weights": weights, "cache": cache_bytes, "temp": temp,
+            "total": weights + cache_bytes + temp, "programs": progs}
