@@ -368,24 +368,35 @@ class GatedAttention(nnx.Module):
                 f"cache with init_cache(batch, max_len) (max_len >= {idx + T})"
             )
 
-    def __call__(self, x: jax.Array, *, cache: KVCache | None = None,
-                 cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
-        self._check(x, cache, cache_index)
+    def project(self, x: jax.Array, positions: jax.Array):
+        """The layer before its attention core: x [B, T, H] at `positions` ([T], or [B, T]) -> q [B, T, Hq, Dh]
+        (q_norm, RoPE), k [B, T, Hkv, Dh] (k_norm, RoPE), v [B, T, Hkv, Dh] and the output gate [B, T, Hq·Dh].
+        `__call__` and the serving engine's paged step (`qwen35.serving.runner`) both start here."""
         B, T, _ = x.shape
         Hq, Hkv, Dh = self.num_heads, self.num_kv_heads, self.head_dim
-
         qg = self.q_proj(x).reshape(B, T, Hq, 2 * Dh)  # per head: [q_h | gate_h]
         q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, T, Hq * Dh)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).reshape(B, T, Hkv, Dh))
         v = self.v_proj(x).reshape(B, T, Hkv, Dh)
-
-        start = jnp.asarray(cache_index, jnp.int32)
-        positions = start + jnp.arange(T, dtype=jnp.int32)
         inv_freq, scaling = rope_inv_freq(self.config)
         cos, sin = rope_cos_sin(positions, inv_freq, scaling)
-        q = apply_rope(q, cos, sin, self.rotary_dim)
-        k = apply_rope(k, cos, sin, self.rotary_dim)
+        return apply_rope(q, cos, sin, self.rotary_dim), apply_rope(k, cos, sin, self.rotary_dim), v, gate
+
+    def output(self, o: jax.Array, gate: jax.Array, dtype) -> jax.Array:
+        """The layer after its attention core: o [B, T, Hq, Dh] times sigmoid(gate) (float32), in `dtype`,
+        through o_proj -> [B, T, H]."""
+        B, T = o.shape[:2]
+        o = o.reshape(B, T, self.num_heads * self.head_dim)
+        return self.o_proj((o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype))
+
+    def __call__(self, x: jax.Array, *, cache: KVCache | None = None,
+                 cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+        self._check(x, cache, cache_index)
+        B, T, _ = x.shape
+        start = jnp.asarray(cache_index, jnp.int32)
+        positions = start + jnp.arange(T, dtype=jnp.int32)
+        q, k, v, gate = self.project(x, positions)
 
         attend = _pallas_attention if self.config.backend == "pallas" else gqa_attention
         if cache is None:
@@ -397,7 +408,4 @@ class GatedAttention(nnx.Module):
             cv = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (zero, start, zero, zero))
             new_cache = KVCache(ck, cv)
             o = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=positions, kv_len=start + T)
-
-        o = o.reshape(B, T, Hq * Dh)
-        o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-        return self.o_proj(o), new_cache
+        return self.output(o, gate, x.dtype), new_cache

@@ -411,25 +411,20 @@ class GatedDeltaNet(nnx.Module):
         if x.ndim != 3 or x.shape[-1] != self.config.hidden_size:
             raise ValueError(f"GatedDeltaNet expects x [B, T, {self.config.hidden_size}], got {tuple(x.shape)}")
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x)  # [B, T, conv_dim] (pre-conv q | k | v)
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        mixed, z, a, b = self.project(x)
 
         w = self.conv1d.weight[...]
         if self.config.backend == "pallas":
             o, conv_state, rec = self._pallas_mixer(mixed, a, b, w, state)
-            o = self.norm(o, z).reshape(B, T, self.value_dim)
-            return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
+            return self.output(o, z), GDNState(conv=conv_state, recurrent=rec)
         if state is not None and T == 1:
             y, conv_state = causal_conv1d_update(mixed[:, 0], w, state.conv)
             mixed = y[:, None]
         else:
             mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
 
-        q, k, v = self._split_heads(mixed)
-        g, beta = self._gates(a, b)
-        q, k = self._norm_repeat(q, k, axis=2)
+        q, k, v = self.heads(mixed)
+        g, beta = self.gates(a, b)
 
         init = None if state is None else state.recurrent
         if state is not None and T == 1:
@@ -438,8 +433,30 @@ class GatedDeltaNet(nnx.Module):
         else:
             o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init)
         o = o.astype(v.dtype)  # the rules return q's dtype (float32: normalised in it); back to the activations'
-        o = self.norm(o, z).reshape(B, T, self.value_dim)
-        return self.out_proj(o), GDNState(conv=conv_state, recurrent=rec)
+        return self.output(o, z), GDNState(conv=conv_state, recurrent=rec)
+
+    def project(self, x: jax.Array):
+        """The layer's input projections for x [..., H]: (mixed [..., conv_dim], the pre-conv q | k | v columns;
+        z [..., Hv, Dv], the output gate; a, b [..., Hv], the raw decay and write-strength inputs of `gates`).
+        `__call__` and the serving engine's paged step (`qwen35.serving.runner`) both start here."""
+        lead = x.shape[:-1]
+        z = self.in_proj_z(x).reshape(*lead, self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_a(x), self.in_proj_b(x)
+
+    def heads(self, y: jax.Array, *, normalize: bool = True):
+        """The conv's output y [..., conv_dim] as heads: q, k [..., Hk, Dk], v [..., Hv, Dv]; with `normalize`,
+        q and k L2-normalised in float32 and repeated to the value heads (`_norm_repeat`), as the XLA rules take
+        them."""
+        lead = y.shape[:-1]
+        q, k, v = jnp.split(y, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q, k = (t.reshape(*lead, self.num_k_heads, self.head_k_dim) for t in (q, k))
+        if normalize:
+            q, k = self._norm_repeat(q, k, axis=-2)
+        return q, k, v.reshape(*lead, self.num_v_heads, self.head_v_dim)
+
+    def output(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        """The rule's output o [..., Hv, Dv] through the gated norm (gate z) and out_proj -> [..., H]."""
+        return self.out_proj(self.norm(o, z).reshape(*o.shape[:-2], self.value_dim))
 
     def _norm_repeat(self, q, k, axis: int):
         """L2-normalise q, k [..., Hk, Dk] in float32 (the rule's use_qk_l2norm), then repeat each key head for the
@@ -452,15 +469,8 @@ class GatedDeltaNet(nnx.Module):
             q, k = jnp.repeat(q, rep, axis=axis), jnp.repeat(k, rep, axis=axis)
         return q, k
 
-    def _split_heads(self, mixed):
-        """[B, T, conv_dim] after the conv -> q, k [B, T, Hk, Dk], v [B, T, Hv, Dv]."""
-        B, T, _ = mixed.shape
-        q, k, v = jnp.split(mixed, [self.key_dim, 2 * self.key_dim], axis=-1)
-        return (q.reshape(B, T, self.num_k_heads, self.head_k_dim), k.reshape(B, T, self.num_k_heads, self.head_k_dim),
-                v.reshape(B, T, self.num_v_heads, self.head_v_dim))
-
-    def _gates(self, a, b):
-        """fp32 log-decay g = -exp(A_log)·softplus(a + dt_bias) and write strength beta = sigmoid(b), [B, T, Hv]."""
+    def gates(self, a, b):
+        """fp32 log-decay g = -exp(A_log)·softplus(a + dt_bias) and write strength beta = sigmoid(b), [..., Hv]."""
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
@@ -480,8 +490,8 @@ class GatedDeltaNet(nnx.Module):
                 num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
             return o[:, None], conv_state, rec
         mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
-        q, k, v = self._split_heads(mixed)
-        g, beta = self._gates(a, b)
+        q, k, v = self.heads(mixed, normalize=False)  # the kernel normalises q, k and reads grouped heads in place
+        g, beta = self.gates(a, b)
         o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=self.chunk_for("pallas"),
                                                initial_state=None if state is None else state.recurrent,
                                                use_qk_l2norm=True)

@@ -32,7 +32,7 @@ from qwen35.gdn import GatedDeltaNet, GDNState
 from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNorm, abstract_init, init_normal
 from qwen35.moe import SparseMoeBlock
 
-__all__ = ["HybridCache", "ModelOutput", "DecoderLayer", "Qwen35ForCausalLM", "forward_fn"]
+__all__ = ["HybridCache", "ModelOutput", "DecoderLayer", "Qwen35ForCausalLM", "forward_fn", "output_logits"]
 
 
 class HybridCache(NamedTuple):
@@ -75,6 +75,17 @@ class Embed(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0).astype(dtype)
 
 
+def output_logits(norm, lm_head, embed_tokens, h: jax.Array) -> jax.Array:
+    """The model's head on hidden states h [..., H]: the final norm, then lm_head, or with tied embeddings
+    (lm_head None) the embedding matrix; float32 logits [..., V]."""
+    x = norm(h)
+    if lm_head is not None:
+        logits = lm_head(x)
+    else:
+        logits = jnp.einsum("...d,vd->...v", x, embed_tokens.weight[...].astype(x.dtype))
+    return logits.astype(jnp.float32)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += mixer(input_layernorm(h)); h += moe(post_attention_layernorm(h))."""
 
@@ -90,14 +101,20 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, impl=moe_impl, fp8_experts=fp8_experts)
 
-    def __call__(self, h, state, cache_index):
+    def __call__(self, h, state, cache_index, *, mix=None, routed_fn=None):
+        """(h [B, T, H] after the layer, the mixer's new state, router logits). `mix(mixer, x, state) -> (y, new
+        state)` runs the mixer (`linear_attn` or `self_attn`) another way than its own `__call__` with the dense
+        cache — the serving engine's paged step passes one; `routed_fn` goes to the MoE (`SparseMoeBlock`)."""
         x = self.input_layernorm(h)
-        if self.layer_type == LINEAR:
-            y, new_state = self.linear_attn(x, state)
+        mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
+        if mix is not None:
+            y, new_state = mix(mixer, x, state)
+        elif self.layer_type == LINEAR:
+            y, new_state = mixer(x, state)
         else:
-            y, new_state = self.self_attn(x, cache=state, cache_index=cache_index)
+            y, new_state = mixer(x, cache=state, cache_index=cache_index)
         h = h + y
-        m, router_logits = self.mlp(self.post_attention_layernorm(h))
+        m, router_logits = self.mlp(self.post_attention_layernorm(h), routed_fn=routed_fn)
         return h + m, new_state, router_logits
 
 
@@ -176,13 +193,9 @@ class Qwen35ForCausalLM(nnx.Module):
             hidden.append(h)
             routers.append(router_logits)
             new_states.append(new_state)
-        x = self.model.norm(h)
-        if self.lm_head is not None:
-            logits = self.lm_head(x)
-        else:
-            logits = jnp.einsum("btd,vd->btv", x, self.model.embed_tokens.weight[...].astype(x.dtype))
+        logits = output_logits(self.model.norm, self.lm_head, self.model.embed_tokens, h)
         new_cache = None if cache is None else HybridCache(tuple(new_states), index + T)
-        return ModelOutput(logits.astype(jnp.float32), new_cache, tuple(hidden), tuple(routers))
+        return ModelOutput(logits, new_cache, tuple(hidden), tuple(routers))
 
     def _check_call(self, input_ids, cache):
         if not hasattr(input_ids, "shape") or len(input_ids.shape) != 2:

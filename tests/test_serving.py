@@ -320,8 +320,9 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
 @pytest.mark.timeout(600)
 def test_engine_with_the_pallas_backend_matches_generate():
     """`backend="pallas"`: the engine's attention layers go through the ragged paged attention kernel (TPU interpret
-    mode on CPU) over the block tables, and greedy tokens equal `qwen35.generate` on the same weights with the XLA
-    backend. Two layers (one GDN, one attention) keep the interpreter's compile time down."""
+    mode on CPU) over the block tables, its GDN layers through the fused decode kernel and the chunked prefill
+    kernel, its experts through the grouped matmul + SwiGLU kernel, and greedy tokens equal `qwen35.generate` on the same weights with the XLA backend. Two layers (one
+    GDN, one attention) keep the interpreter's compile time down."""
     from qwen35.config import FULL, LINEAR
 
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
@@ -344,10 +345,16 @@ def test_engine_with_the_pallas_backend_matches_generate():
         assert_same_greedy(o.token_ids, want, greedy_step_logits(m_xla, p, want), model_terms(cfg, 64),
                            name=f"request {i}, Pallas engine vs XLA generate")
         assert len(o.token_ids) == 3
-    prog, leaves = run.layers[1]  # the attention layer's program: the kernel is on its path
-    h = np.zeros((batches[0].tokens.shape[0], cfg.hidden_size), np.float32)
-    jaxpr = str(jax.make_jaxpr(lambda: prog(leaves, h, engine.cache.layers[1], batches[0], backend="pallas"))())
-    assert "pallas_call" in jaxpr and "name=_rpa" in jaxpr
+    h = np.zeros((batches[0].tokens.shape[0], cfg.hidden_size), np.float32)  # the first step: two prefill rows
+
+    def jaxpr(i):
+        prog, leaves = run.layers[i]
+        return str(jax.make_jaxpr(lambda: prog(leaves, h, engine.cache.layers[i], batches[0], backend="pallas"))())
+
+    assert "name=_rpa" in jaxpr(1)  # the attention layer: ragged paged attention over the block tables
+    gdn = jaxpr(0)  # the GDN layer: the fused decode kernel for every row, the chunked kernel for the prefill block
+    assert "name=_fused_gdn_decode" in gdn and "name=_chunked_gdn_packed" in gdn and "pallas_call" in gdn
+    assert "name=gmm_swiglu" in gdn  # and the MoE: grouped matmul with the fused SwiGLU
 
 
 def test_fused_engine_and_step_fn_match_generate():

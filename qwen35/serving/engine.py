@@ -7,7 +7,10 @@
     rid = engine.add_request(prompt, params); events = engine.step()                  # drive the loop yourself
 
 Each `step()` asks the scheduler for the next batch (`scheduler.py`), packs it into bucketed arrays (`StepBatch`),
-runs the jitted step (`runner.py`) and appends the sampled tokens. A bad request (empty, too long, ids outside
+runs the jitted step (`runner.py`) and appends the sampled tokens. On a mesh (`Engine(model, mesh=...)`, or a
+model from `qwen35.sharding.shard_model`) every device is a data-parallel rank with its own scheduler, pages and
+GDN slots; a step stacks every rank's batch into one [dp, ...] array and runs one program over the mesh
+(`runner.DataParallel`). A bad request (empty, too long, ids outside
 the vocabulary, max_tokens < 1) raises `ValueError` from `add_request` and never reaches the batch; `generate`
 turns that into an `error` on that request's output while the others run.
 """
@@ -178,6 +181,8 @@ class Engine:
     min_batch_rows: a step's rows are its scheduled sequences rounded up to a power of two, at least this (a
       floor of 32 lets engines of different concurrency share compiled programs, as the tests do; the default 1
       pads least).
+    min_page_width: a step's page-table width is its longest block table's, at least this many pages (a floor at
+      max_model_len / block_size gives every step of a run one width: fewer compiles, more keys read).
     mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
       `qwen35.sharding.shard_model` / `load_sharded`, else one device). Every device on the mesh's "batch" axes
       (all of `make_mesh(expert=8)`'s 8, or `make_mesh(data=2, expert=4)`'s) is a data-parallel rank with its own
@@ -191,7 +196,7 @@ class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 256,
                  num_blocks: int | None = None, *, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, tokenizer=None, cache_dtype=None, record_history: bool = True,
-                 fused: bool | None = None, min_batch_rows: int = 1, mesh=None):
+                 fused: bool | None = None, min_batch_rows: int = 1, min_page_width: int = 1, mesh=None):
         c = model.config
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
@@ -212,7 +217,7 @@ class Engine:
         self.chunked = enable_chunked_prefill
         self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, enable_chunked_prefill)
                       for _ in range(self.num_ranks)]
-        self.min_batch_rows = min_batch_rows
+        self.min_batch_rows, self.min_page_width = min_batch_rows, min_page_width
         self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)  # the most rows a step can have
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _page_width(math.ceil(self.max_model_len / block_size))
@@ -326,7 +331,8 @@ class Engine:
         bs = self.block_size
         q_lens = [n for _, n in sched]
         Sb = min(_pow2(len(sched), self.min_batch_rows), self.seq_bucket)
-        P = min(_page_width(max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1)), self.page_bucket)
+        longest = max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1)
+        P = min(_page_width(max(longest, self.min_page_width)), self.page_bucket)
         pf = [s for s, n in enumerate(q_lens) if n > 1]
         if not pf:
             return StepShape(Sb, P, Sb, 0, 1, 0)

@@ -2,27 +2,31 @@
 hybrid cache, then one sampled token per sequence.
 
 A step packs the tokens of every scheduled sequence back to back — prefill chunks and single decode tokens
-together — into `tokens [Tb]`. It is built from the model's own modules and the package's pure functions:
+together — into `tokens [Tb]`, and runs the model's own modules on them: `DecoderLayer` (norms, residuals, the
+MoE), each mixer's own projections and output (`GatedAttention.project / output`, `GatedDeltaNet.project / gates
+/ heads / output`) and the model's head (`output_logits`). What is the step's own is where the state lives:
 
-  embed → per layer: input_layernorm → mixer → residual → post_attention_layernorm → SparseMoeBlock → residual
-  attention mixer:  q_proj / k_proj / v_proj, q_norm / k_norm, `apply_rope` at each token's own position, K/V
-                    scattered into the pages at `slot_mapping`, then ragged paged attention over the block tables
-                    (the Pallas kernel of `qwen35.kernels` when `config.backend == "pallas"`, else
-                    `_paged_attention_rows`: the reference's result, computed by rows as the GDN mixer below is;
-                    a prefill chunk attends to its own fresh K/V plus, only if it continues a sequence, the
-                    context pages before it), output gate, o_proj
-  GDN mixer:        in_proj_*, then for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
-                    token (exact for rows with one token: decodes), and for the rows with several tokens (prefill
-                    chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`), `causal_conv1d` +
-                    `chunk_gated_delta_rule` from the row's slot state (padded steps have g = 0 and beta = 0:
-                    decay 1 and no write, so the state is untouched), the conv state taken from the last Kc real
-                    inputs; their results replace the single-token ones. Outputs back in packed order, gated norm,
-                    out_proj. A sequence's first step (`fresh`) starts from zero state, so recycled slots need no
-                    clearing.
-  head:             final norm and lm_head on each sequence's last token only, then `sample`.
+  attention mixer:  K/V scattered into the pages at `slot_mapping` (every token at its own position), then ragged
+                    paged attention over the block tables (the Pallas kernel of `qwen35.kernels` when
+                    `config.backend == "pallas"`, else `_paged_attention_rows`: the reference's result, computed
+                    by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
+                    continues a sequence, the context pages before it)
+  GDN mixer:        for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last token from the row's
+                    state slot (exact for rows with one token: decodes), and for the rows with several tokens
+                    (prefill chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`),
+                    `causal_conv1d` + `chunk_gated_delta_rule` from the row's slot state (padded steps have g = 0 and
+                    beta = 0: decay 1 and no write, so the state is untouched), the conv state taken from the last
+                    Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
+                    starts from zero state, so recycled slots need no clearing. With `backend == "pallas"` the
+                    decode rows go through `fused_gdn_decode` (conv, gates and step in one kernel) and the prefill
+                    block through `chunk_gated_delta_rule_pallas`; the rows' slots are gathered into a dense block
+                    before the kernels and scattered back after (the kernels take dense [B, ...] states).
+  head:             only each sequence's last token, then `sample`.
+  MoE on a mesh:    the routed experts' sum is handed in (`routed_fn`): the all-gather / reduce-scatter exchange
+                    of `qwen35.sharding.moe_ep_local` inside the step's `shard_map` (see `DataParallel`).
 
-Shapes are bucketed (Tb, Sb, Lb and the page-table width P are powers of two), so a run compiles a handful of
-programs; padding tokens write to the scratch page and padding rows to the scratch slot (see `cache.py`).
+Shapes are bucketed (see `Engine.step_shape`), so a run compiles a handful of programs; padding tokens write to
+the scratch page and padding rows to the scratch slot (see `cache.py`).
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from qwen35.attention import KVCache, apply_rope, rope_cos_sin, rope_inv_freq
+from qwen35.attention import KVCache
 from qwen35.config import LINEAR
 from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
                         gated_delta_rule_step)
-from qwen35.model import bind_program
+from qwen35.model import bind_program, output_logits
 from qwen35.serving.cache import SCRATCH_PAGE, PagedHybridCache
 from qwen35.serving.sampling import sample
 from qwen35.sharding import moe_ep_local
@@ -185,52 +189,45 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
 
 
 def _attention(attn, x, b: StepBatch, kv: KVCache, attend):
-    T = x.shape[0]
-    Hq, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qg = attn.q_proj(x).reshape(T, Hq, 2 * Dh)  # per head: [q_h | gate_h]
-    q, gate = qg[..., :Dh], qg[..., Dh:].reshape(T, Hq * Dh)
-    q = attn.q_norm(q)
-    k = attn.k_norm(attn.k_proj(x).reshape(T, Hkv, Dh))
-    v = attn.v_proj(x).reshape(T, Hkv, Dh)
-    inv_freq, scaling = rope_inv_freq(attn.config)
-    cos, sin = rope_cos_sin(b.positions, inv_freq, scaling)  # [Tb, rd/2]: every token at its own position
-    q = apply_rope(q[None], cos, sin, attn.rotary_dim)[0]
-    k = apply_rope(k[None], cos, sin, attn.rotary_dim)[0]
-    NP, PS = kv.k.shape[:2]
+    """The attention mixer on the packed tokens x [Tb, H]: the layer's own projections (`GatedAttention.project`,
+    every token at its own position), K/V scattered into the pages at `slot_mapping`, `attend` over the block
+    tables, the layer's own output gate and projection."""
+    q, k, v, gate = (t[0] for t in attn.project(x[None], b.positions))
+    NP, PS, Hkv, Dh = kv.k.shape
     kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
     vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
     o = attend(q, k, v, kp, vp, b)  # [Tb, Hq, Dh]
-    o = (o.reshape(T, Hq * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    return attn.o_proj(o), KVCache(kp, vp)
+    return attn.output(o[None], gate[None], x.dtype)[0], KVCache(kp, vp)
 
 
 def _gdn(gdn, x, b: StepBatch, st: GDNState):
-    T = x.shape[0]
+    """The GDN mixer on the packed tokens x [Tb, H]: the layer's own projections, gates, heads and output
+    (`GatedDeltaNet.project / gates / heads / output`); what is the step's own is reading and writing the rows'
+    state slots and running the rules by rows (see the module docstring)."""
     Sb = b.slots.shape[0]
     Sp, Lb = b.gather_idx.shape
-    Hk, Hv, Dk, Dv = gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim
-    mixed = gdn.in_proj_qkv(x)  # [Tb, conv_dim]
-    z = gdn.in_proj_z(x).reshape(T, Hv, Dv)
-    beta = jax.nn.sigmoid(gdn.in_proj_b(x).astype(jnp.float32))  # [Tb, Hv]
-    g = -jnp.exp(gdn.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-        gdn.in_proj_a(x).astype(jnp.float32) + gdn.dt_bias[...].astype(jnp.float32))
+    mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
+    g, beta = gdn.gates(a, bb)
     w = gdn.conv1d.weight[...]
     Kc = w.shape[-1]
     fresh = b.fresh
     conv0 = jnp.where(fresh[:, None, None], 0, st.conv[b.slots]).astype(x.dtype)  # [Sb, C, Kc]
     rec0 = jnp.where(fresh[:, None, None, None], 0.0, st.recurrent[b.slots])  # [Sb, Hv, Dk, Dv]
 
-    def split_heads(y, lead):  # q, k normalised (use_qk_l2norm) before the repeat to the value heads
-        q, k, v = jnp.split(y, [gdn.key_dim, 2 * gdn.key_dim], axis=-1)
-        q, k = gdn._norm_repeat(q.reshape(*lead, Hk, Dk), k.reshape(*lead, Hk, Dk), axis=-2)
-        return q, k, v.reshape(*lead, Hv, Dv)
-
+    pallas = gdn.config.backend == "pallas"
     # Every row: the single-token rule on its last token (exact for the rows with one token this step; the
     # prefill rows' results are replaced below).
     idx = b.last_idx
-    y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
-    q, k, v = split_heads(y, (Sb,))
-    o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
+    if pallas:  # conv update, gates and the recurrent step in one kernel, the state read once and written once
+        from qwen35.kernels.fused_gdn_decode import fused_gdn_decode  # lazy: the kernels import the layers
+
+        o_dec, conv_new, rec_new = fused_gdn_decode(
+            mixed[idx], a[idx], bb[idx], conv0, rec0, w, gdn.A_log[...], gdn.dt_bias[...],
+            num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
+    else:
+        y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
+        q, k, v = gdn.heads(y)
+        o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
     o = o_dec.astype(x.dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
@@ -243,28 +240,35 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
         conv_pf = jnp.swapaxes(jnp.take_along_axis(hist, take[..., None], axis=1), 1, 2)
         gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
         betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
-        qb, kb, vb = split_heads(yb, (Sp, Lb))
-        o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(), initial_state=s0)
+        if pallas:  # the chunked kernel: grouped key heads read in place, q and k normalised inside
+            from qwen35.kernels.chunked_gdn import chunk_gated_delta_rule_pallas
+
+            qb, kb, vb = gdn.heads(yb, normalize=False)
+            o_pf, rec_pf = chunk_gated_delta_rule_pallas(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for("pallas"),
+                                                         initial_state=s0, use_qk_l2norm=True)
+        else:
+            qb, kb, vb = gdn.heads(yb)
+            o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
+                                                  initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(x.dtype)[b.tok_prow, b.tok_col], o)
-    o = gdn.norm(o, z).reshape(T, gdn.value_dim)
     new = GDNState(conv=st.conv.at[b.slots].set(conv_new.astype(st.conv.dtype)),
                    recurrent=st.recurrent.at[b.slots].set(rec_new.astype(st.recurrent.dtype)))
-    return gdn.out_proj(o), new
+    return gdn.output(o, z), new
 
 
 def _layer(layer, h, st, b: StepBatch, attend, routed_fn=None):
-    """One decoder layer on the packed tokens h [Tb, H]: mixer (reading/writing its cache) and MoE, residuals.
-    `routed_fn`: how the MoE sums its routed experts (None: the block's own path; on a mesh, the exchange)."""
-    xn = layer.input_layernorm(h)
-    if layer.layer_type == LINEAR:
-        y, st = _gdn(layer.linear_attn, xn, b, st)
-    else:
-        y, st = _attention(layer.self_attn, xn, b, st, attend)
-    h = h + y
-    m, _ = layer.mlp(layer.post_attention_layernorm(h)[None], routed_fn=routed_fn)
-    return h + m[0], st
+    """One decoder layer on the packed tokens h [Tb, H]: the model's own `DecoderLayer` (norms, residuals, MoE),
+    its mixer run on the paged cache. `routed_fn`: how the MoE sums its routed experts (None: the block's own
+    path; on a mesh, the exchange)."""
+    def mix(mixer, x, state):
+        y, state = (_gdn(mixer, x[0], b, state) if layer.layer_type == LINEAR
+                    else _attention(mixer, x[0], b, state, attend))
+        return y[None], state
+
+    h, st, _ = layer(h[None], st, None, mix=mix, routed_fn=routed_fn)
+    return h[0], st
 
 
 class HeadParams(nnx.Module):
@@ -280,12 +284,7 @@ class HeadParams(nnx.Module):
 
 
 def _head(hp: HeadParams, h, b: StepBatch):
-    x = hp.norm(h[b.last_idx])  # [Sb, H]: only each row's last token
-    if hp.lm_head is not None:
-        logits = hp.lm_head(x)
-    else:
-        logits = jnp.einsum("sd,vd->sv", x, hp.embed_tokens.weight[...].astype(x.dtype))
-    return logits.astype(jnp.float32)
+    return output_logits(hp.norm, hp.lm_head, hp.embed_tokens, h[b.last_idx])  # [Sb, V]: each row's last token
 
 
 def _sample(logits, b: StepBatch):
