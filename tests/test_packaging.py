@@ -1,5 +1,6 @@
 """`kernels/` installs as `qwen35.kernels` (never as a top-level `kernels`, the name of Hugging Face's package
-that transformers probes for), both from this editable install and from a regular (wheel) install."""
+that transformers probes for), both from this editable install and from a regular (wheel) install, which also
+carries the `serving` and `sharding` subpackages."""
 
 import importlib.util
 import os
@@ -43,7 +44,8 @@ def test_regular_install_imports_qwen35_kernels(tmp_path):
     target = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
           str(target), str(ROOT)], cwd=tmp_path)
-    assert (target / "qwen35" / "kernels" / "__init__.py").exists()
+    for sub in ("kernels", "serving", "sharding"):  # every subpackage ships
+        assert (target / "qwen35" / sub / "__init__.py").exists(), f"qwen35/{sub} missing from a regular install"
     assert not (target / "kernels").exists(), "kernels/ must not be installed as a top-level package"
     env = dict(os.environ, PYTHONPATH=str(target), PYTHONNOUSERSITE="1")
     # -I would also drop PYTHONPATH; -S keeps the editable finder of this venv out of the way.

@@ -68,7 +68,7 @@ def test_param_logical_axes_and_specs_for_every_parameter():
     abstract = nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     specs = S.param_specs(params, S.make_mesh(data=2, expert=4))
-    flat = {S._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+    flat = {S.placement._path_name(p): s for p, s in jax.tree_util.tree_flatten_with_path(
         specs, is_leaf=lambda x: isinstance(x, P))[0]}
     assert len(flat) == len(jax.tree.leaves(params))
     for name, spec in flat.items():

@@ -1,0 +1,76 @@
+"""Sharding for Qwen3.5: meshes, the logical-axis rules table, packed routing metadata, expert-parallel MoE with
+two token-exchange schemes, a hierarchical reduce-scatter, and the communication bytes each scheme costs.
+
+Mesh axes used here (any subset, in any order):
+  data    data parallelism: whole sequences per device, attention (GQA and GDN weights) replicated
+  expert  expert parallelism: E / n experts per device
+  chip, core   a two-level device mesh (4 Ironwood chips x 2 TensorCores); tokens and experts split over both
+  model   tensor parallelism (attention heads, vocab, shared-expert width), the alternative the workload rejects
+
+Sharding is data: `LOGICAL_RULES` maps every logical axis (batch, experts, heads, kv_heads, vocab, ...) to the mesh
+axes that split it, `param_logical_axes` names the logical axes of each parameter by its checkpoint name, and
+`logical_to_spec` turns both into a `PartitionSpec` for a given mesh (mesh axes the mesh lacks are dropped, so one
+table serves every mesh). `check_mesh` says up front when a mesh cannot hold a config (the error names the fix).
+
+Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes, t tokens per device, N_g = n·t):
+
+  "allgather" (the workload's choice; deterministic: no capacity, nothing dropped, fixed message sizes)
+      x [t, H], routing packed into one int32 [t, 2k]  --all_gather(expert)-->  [N_g, H], [N_g, 2k]
+      local experts only (slots routed elsewhere get weight 0)                   y_partial [N_g, H]
+      --psum_scatter(expert)-->  y [t, H]   (hierarchical: inside a chip first, then across chips)
+      each device sends (n-1)·t·(2·H·b + 2k·4) bytes.
+
+  "alltoall" (capacity-based dispatch, as in GShard/Switch)
+      x [t, H] -> buffers [n, E/n, C, H], C = ceil(cf·t·k/E)  --all_to_all-->  [n (source), E/n, C, H]
+      local experts  --all_to_all back-->  [E, C, H]  -> weighted combine; slots past C are dropped (counted)
+      each device sends 2·(n-1)·(E/n)·C·H·b bytes.
+
+`moe_comm_bytes` gives those figures from shapes; `hlo_collective_bytes` reads them off a compiled program.
+
+One topic a module, every public name re-exported here: `mesh` (meshes, the rules table, `check_mesh`),
+`exchange` (packed routing, hierarchical collectives, `moe_ep` and `moe_ep_local`, expert placement by load),
+`placement` (parameter and cache specs, sharded loading, `shard_model`), `accounting` (bytes on paper and in
+compiled programs, memory plans, a decode step lowered from shapes).
+"""
+
+from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingError, check_mesh, logical_to_spec,
+                                  make_mesh, mesh_axes_for, param_logical_axes, rules_with)
+from qwen35.sharding.exchange import (SCHEMES, EPStats, balanced_expert_placement, hierarchical_all_gather,
+                                      hierarchical_psum_scatter, moe_ep, moe_ep_local, pack_routing,
+                                      tp_deinterleave_gate_up, tp_interleave_gate_up, unpack_routing)
+from qwen35.sharding.placement import (cache_specs, checkpoint_shardings, load_sharded, param_specs, shard_model,
+                                       sharded_model_class)
+from qwen35.sharding.accounting import decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes
+
+__all__ = [
+    "ShardingError",
+    "make_mesh",
+    "LOGICAL_RULES",
+    "PARAM_LOGICAL_AXES",
+    "mesh_axes_for",
+    "logical_to_spec",
+    "param_logical_axes",
+    "param_specs",
+    "checkpoint_shardings",
+    "load_sharded",
+    "check_mesh",
+    "pack_routing",
+    "unpack_routing",
+    "EPStats",
+    "moe_ep",
+    "moe_ep_local",
+    "rules_with",
+    "tp_interleave_gate_up",
+    "tp_deinterleave_gate_up",
+    "hierarchical_psum_scatter",
+    "hierarchical_all_gather",
+    "balanced_expert_placement",
+    "moe_comm_bytes",
+    "hlo_collective_bytes",
+    "SCHEMES",
+    "cache_specs",
+    "shard_model",
+    "sharded_model_class",
+    "memory_plan",
+    "decode_step_lowering",
+]

@@ -1,0 +1,386 @@
+"""The expert-parallel exchange: packed routing metadata, hierarchical collectives, the tensor-parallel
+regrouping of gate_up, `moe_ep` (its own `shard_map`) and `moe_ep_local` (inside a caller's), and expert
+placement by load."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from qwen35.moe import capacity as moe_capacity
+from qwen35.moe import experts_dense, experts_sorted, sort_by_expert
+from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, mesh_axes_for
+
+
+SCHEMES = ("allgather", "alltoall")
+LOCAL_IMPLS = ("sorted", "dense")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Packed routing metadata: expert ids and weights in one int32 array, so one all-gather moves both
+def pack_routing(experts: jax.Array, weights: jax.Array) -> jax.Array:
+    """experts [N, k] int32, weights [N, k] float32 -> [N, 2k] int32: ids, then the weights' bits
+    (`lax.bitcast_convert_type`, no rounding)."""
+    experts, weights = jnp.asarray(experts), jnp.asarray(weights)
+    if experts.ndim != 2 or experts.shape != weights.shape:
+        raise ValueError(f"experts and weights must both be [N, k], got {experts.shape} and {weights.shape}")
+    if weights.dtype != jnp.float32:
+        raise ValueError(f"weights must be float32 (bit-cast into int32), got {weights.dtype}")
+    bits = jax.lax.bitcast_convert_type(weights, jnp.int32)
+    return jnp.concatenate([experts.astype(jnp.int32), bits], axis=-1)
+
+
+def unpack_routing(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[N, 2k] int32 -> (experts [N, k] int32, weights [N, k] float32), bit-exact inverse of `pack_routing`."""
+    packed = jnp.asarray(packed)
+    if packed.ndim != 2 or packed.shape[1] % 2 or packed.dtype != jnp.int32:
+        raise ValueError(f"packed routing must be int32 [N, 2k], got {packed.dtype} {packed.shape}")
+    k = packed.shape[1] // 2
+    return packed[:, :k], jax.lax.bitcast_convert_type(packed[:, k:], jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hierarchical reduce-scatter
+def hierarchical_psum_scatter(x: jax.Array, inner_axis: str, outer_axis: str, *, scatter_dimension: int = 0):
+    """Reduce-scatter over two mesh axes in two steps: inside the inner group first (the cores of one chip, fast
+    links), then across the outer one (chips) with 1/a of the data. Call inside `shard_map`.
+
+    Equal to the flat `lax.psum_scatter(x, (outer_axis, inner_axis), scatter_dimension=..., tiled=True)`:
+    the device at (outer o, inner i) gets block o·a + i of the sum (a = inner size; outer-major, the order of
+    the flat version and of `all_gather(..., (outer_axis, inner_axis), tiled=True)`). A plain inner-then-outer
+    pair of psum_scatters would give it block i·b + o; the blocks are permuted first so the orders agree.
+
+    Bytes each device sends (ring model, x of X bytes, b = outer size): (a-1)/a·X on-chip + (b-1)/(a·b)·X across
+    chips, against (ab-1)/(ab)·X for the flat version, most of which would cross chips."""
+    a, b = jax.lax.axis_size(inner_axis), jax.lax.axis_size(outer_axis)
+    x = jnp.moveaxis(x, scatter_dimension, 0)
+    M = x.shape[0]
+    if M % (a * b):
+        raise ValueError(f"dimension {scatter_dimension} of size {M} must be a multiple of {outer_axis}×{inner_axis}"
+                         f" = {a * b} to be scattered")
+    rest = x.shape[1:]
+    x = x.reshape(b, a, M // (a * b), *rest).swapaxes(0, 1).reshape(M, *rest)  # block o·a+i -> position i·b+o
+    y = jax.lax.psum_scatter(x, inner_axis, scatter_dimension=0, tiled=True)  # [M/a]: blocks (o, i) for all o
+    y = jax.lax.psum_scatter(y, outer_axis, scatter_dimension=0, tiled=True)  # [M/(ab)]: block (o, i)
+    return jnp.moveaxis(y, 0, scatter_dimension)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Hierarchical all-gather (the mirror image of the reduce-scatter)
+def hierarchical_all_gather(x: jax.Array, inner_axis: str, outer_axis: str, *, axis: int = 0):
+    """All-gather over two mesh axes in two steps: across the outer group (chips) first, while the data is still
+    small, then inside the inner group (the cores of a chip, fast links). Call inside `shard_map`.
+
+    Equal to the flat `lax.all_gather(x, (outer_axis, inner_axis), axis=axis, tiled=True)` (block o·a + i comes
+    from the device at (outer o, inner i)); the gathered blocks are reordered at the end so the orders agree.
+
+    Bytes each device sends (ring model, x of X bytes, a = inner size, b = outer size): (b-1)·X across chips +
+    (a-1)·b·X on-chip, against (ab-1)·X for the flat version, most of which would cross chips."""
+    a, b = jax.lax.axis_size(inner_axis), jax.lax.axis_size(outer_axis)
+    x = jnp.moveaxis(x, axis, 0)
+    t, rest = x.shape[0], x.shape[1:]
+    y = jax.lax.all_gather(x, outer_axis, axis=0, tiled=True)  # [b·t]: blocks (o', i) for all o'
+    y = jax.lax.all_gather(y, inner_axis, axis=0, tiled=True)  # [a·b·t]: position i'·b + o' holds block (o', i')
+    y = y.reshape(a, b, t, *rest).swapaxes(0, 1).reshape(a * b * t, *rest)  # -> position o'·a + i'
+    return jnp.moveaxis(y, 0, axis)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tensor-parallel experts: gate_up rows regrouped so a contiguous split gives each device [gate_j; up_j]
+def tp_interleave_gate_up(gate_up: jax.Array, m: int) -> jax.Array:
+    """[E, 2I, H] in the checkpoint's layout (all gate rows, then all up rows) -> the same rows regrouped as
+    [gate_0; up_0; gate_1; up_1; ...], each piece I/m rows. Split contiguously over m devices, device j then
+    holds [gate_j; up_j]: the column split of both projections, and `experts_*`'s split of the 2I rows into
+    halves gives (gate_j, up_j) locally. Inverse: `tp_deinterleave_gate_up`."""
+    E, I2, H = gate_up.shape
+    if I2 % (2 * m):
+        raise ShardingError(f"expert width I = {I2 // 2} cannot be split over a tensor-parallel group of {m}; "
+                            f"use a group size that divides {I2 // 2}")
+    return gate_up.reshape(E, 2, m, I2 // (2 * m), H).swapaxes(1, 2).reshape(E, I2, H)
+
+
+def tp_deinterleave_gate_up(gate_up: jax.Array, m: int) -> jax.Array:
+    """Inverse of `tp_interleave_gate_up`."""
+    E, I2, H = gate_up.shape
+    return gate_up.reshape(E, m, 2, I2 // (2 * m), H).swapaxes(1, 2).reshape(E, I2, H)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert-parallel (and tensor-parallel) MoE
+class EPStats(NamedTuple):
+    """dropped: slots past capacity over all devices (int32; 0 for "allgather"); drop_rate: dropped / (N·k);
+    capacity: C, rows per (source device, expert) buffer (None for "allgather")."""
+
+    dropped: jax.Array
+    drop_rate: jax.Array
+    capacity: int | None
+
+
+def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
+    """[t, k] position of each slot among this device's slots to the same expert, in token order."""
+    order, group_sizes = sort_by_expert(experts, num_experts)
+    starts = jnp.cumsum(group_sizes) - group_sizes
+    flat = experts.reshape(-1)
+    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
+    return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
+
+
+def _local_experts(x, weights, experts, gate_up, down, impl):
+    El, k = gate_up.shape[0], experts.shape[1]
+    if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
+        # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
+        weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, El, dtype=weights.dtype))
+        experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
+    if impl == "dense":
+        return experts_dense(x, weights, experts, gate_up, down)
+    return experts_sorted(x, weights, experts, gate_up, down)
+
+
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks):
+    """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
+    parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
+
+    With `chunks` K > 1 the t tokens go through in K independent pieces (gather, experts, scatter per piece): no
+    piece waits on another's compute, so a scheduler with asynchronous collectives (TPU, GPU) overlaps piece
+    j+1's all-gather and piece j-1's reduce-scatter with piece j's expert matmuls."""
+    El = gate_up.shape[0]
+    lo = jax.lax.axis_index(ex_axes) * El if ex_axes else 0
+    gather = (functools.partial(hierarchical_all_gather, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
+              if hierarchical else functools.partial(jax.lax.all_gather, axis_name=ex_axes, axis=0, tiled=True))
+    scatter = (functools.partial(hierarchical_psum_scatter, inner_axis=ex_axes[1], outer_axis=ex_axes[0])
+               if hierarchical else functools.partial(jax.lax.psum_scatter, axis_name=ex_axes, scatter_dimension=0,
+                                                      tiled=True))
+    outs = []
+    for x_c, p_c in zip(jnp.split(x, chunks), jnp.split(packed, chunks)):
+        if ex_axes:
+            x_c, p_c = gather(x_c), gather(p_c)  # [N_g, H], [N_g, 2k]: one all-gather moves ids and weights
+        e, w = unpack_routing(p_c)
+        local = (e >= lo) & (e < lo + El)
+        # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
+        y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up,
+                           down, impl)
+        if ex_axes:
+            y = scatter(y)
+        if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
+            y = jax.lax.psum(y, tp_axes)
+        outs.append(y)
+    return jnp.concatenate(outs) if chunks > 1 else outs[0], jnp.zeros((), jnp.int32)
+
+
+def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, all_axes, C, chunks):
+    t, H = x.shape
+    k = experts.shape[1]
+    El = gate_up.shape[0]
+    n = jax.lax.axis_size(ex_axes)
+    E = n * El
+    dtype = x.dtype
+    rank = _rank_in_expert(experts, E)
+    keep = rank < C
+    row = jnp.where(keep, rank, C)  # out of bounds: dropped on the way in, 0 on the way out
+    token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
+    buf = jnp.zeros((E, C, H), dtype).at[experts, row].set(x[token], mode="drop")  # expert e = d·El + l
+    buf = buf.reshape(n, El, C, H)
+    backs = []
+    # K chunks over the local experts: piece j carries experts [j·El/K, (j+1)·El/K) of every device, independent
+    # of the other pieces, so its all-to-alls can overlap their expert matmuls.
+    for j, (b_c, gu_c, dn_c) in enumerate(zip(jnp.split(buf, chunks, axis=1), jnp.split(gate_up, chunks),
+                                               jnp.split(down, chunks))):
+        recv = jax.lax.all_to_all(b_c, ex_axes, 0, 0, tiled=True)  # [n source, El/K, C, H]
+        h = jnp.einsum("slch,lih->slci", recv, gu_c.astype(dtype))
+        g, u = jnp.split(h, 2, axis=-1)
+        out = jnp.einsum("slci,lhi->slch", jax.nn.silu(g) * u, dn_c.astype(dtype))
+        backs.append(jax.lax.all_to_all(out, ex_axes, 0, 0, tiled=True))  # [n target, El/K, C, H]
+    back = (jnp.concatenate(backs, axis=1) if chunks > 1 else backs[0]).reshape(E, C, H)
+    y_slots = back.at[experts, row].get(mode="fill", fill_value=0)  # [t, k, H]
+    y = jnp.einsum("nk,nkh->nh", (weights * keep).astype(dtype), y_slots)
+    if tp_axes:
+        y = jax.lax.psum(y, tp_axes)
+    dropped = jax.lax.psum(jnp.sum(~keep, dtype=jnp.int32), all_axes)
+    if tp_axes:  # every device of a TP group saw the same tokens: count them once
+        dropped = dropped // _axes_size_traced(tp_axes)
+    return y.astype(dtype), dropped
+
+
+def _axes_size_traced(axes) -> int:
+    return math.prod(jax.lax.axis_size(a) for a in axes)
+
+
+@functools.lru_cache(maxsize=64)
+def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave):
+    tok = P(tok_axes or None, None)
+    tp = tp_axes or None
+    gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
+    all_axes = tuple(mesh.axis_names)
+    m = _axes_size(mesh, tp_axes)
+
+    def prep(gate_up):
+        return tp_interleave_gate_up(gate_up, m) if interleave and m > 1 else gate_up
+
+    if scheme == "allgather":
+        body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
+                                 hierarchical=hierarchical, chunks=chunks)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
+                          check_vma=False)
+
+        def run(x, weights, experts, gate_up, down):
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
+    else:
+        body = functools.partial(_alltoall_body, ex_axes=ex_axes, tp_axes=tp_axes, all_axes=all_axes, C=C,
+                                 chunks=chunks)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
+                          check_vma=False)
+
+        def run(x, weights, experts, gate_up, down):
+            return f(x, weights, experts, prep(gate_up), down)
+    return jax.jit(run)
+
+
+def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
+           capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
+           hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
+           return_stats: bool = False):
+    """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
+    experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
+    over `mesh`.
+
+    Experts split over the mesh axes of the "experts" rule (`expert`, or `chip`×`core`): EP, E/n whole experts
+    per device. Each expert's width I split over the axes of the "expert_mlp" rule (empty by default; map it to
+    "model" for TP-MoE, e.g. `rules_with(expert_mlp=("model",))`): gate/up column-split, down row-split, partial
+    outputs summed by an all-reduce over the TP group. Both at once is the EP × TP hybrid. Tokens split over the
+    "batch" axes (which must include the expert axes; devices of one TP group hold the same tokens). `scheme`:
+      "allgather"  all-gather tokens + packed routing over the expert axes, local experts, reduce-scatter back.
+                   Exact (no capacity). `local_impl` "sorted" (grouped path; it computes all N_g·k gathered slots,
+                   the non-local ones with weight 0 — a grouped-matmul kernel with a group offset would skip
+                   them) or "dense" (every local expert on every gathered token). With two expert axes the
+                   all-gather and the reduce-scatter are hierarchical (`hierarchical=None` = auto).
+      "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (default 1.25, capped at t),
+                   all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
+                   (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
+                   expert, in token order, like `experts_capacity` on its shard.
+    `chunks` K: exchange and compute in K independent pieces (tokens for "allgather", local experts for
+    "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
+    `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
+    `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
+    With `return_stats`, returns (y, EPStats)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+    if local_impl not in LOCAL_IMPLS:
+        raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
+    if gate_up_layout not in ("checkpoint", "tp_interleaved"):
+        raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
+    if not isinstance(chunks, (int, np.integer)) or chunks < 1:
+        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+    x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
+    if x.ndim != 2 or weights.shape != experts.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"expected x [N, H], weights and experts [N, k]; got {x.shape}, {weights.shape}, "
+                         f"{experts.shape}")
+    N, _ = x.shape
+    k = experts.shape[1]
+    E, I = gate_up.shape[0], down.shape[2]
+    ex_axes = mesh_axes_for("experts", mesh, rules)
+    tp_axes = mesh_axes_for("expert_mlp", mesh, rules)
+    tok_axes = mesh_axes_for("batch", mesh, rules)
+    if not ex_axes and not tp_axes:
+        raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to "
+                            f"({mesh_axes_for('experts', None, rules)}) nor one the 'expert_mlp' rule maps to; "
+                            f"e.g. make_mesh(expert=8), or TP-MoE with rules_with(expert_mlp=('model',))")
+    overlap = set(ex_axes) & set(tp_axes) | set(tok_axes) & set(tp_axes)
+    if overlap:
+        raise ShardingError(f"mesh axes {sorted(overlap)} cannot split both experts/tokens and the expert width; "
+                            f"give tensor-parallel experts their own axis (e.g. 'model')")
+    missing = [a for a in ex_axes if a not in tok_axes]
+    if missing:
+        raise ShardingError(f"tokens must be split over the expert axes too, but the 'batch' rule lacks {missing}")
+    n = _axes_size(mesh, ex_axes)
+    if E % n:
+        raise ShardingError(f"{E} experts cannot be split over {_axes_desc(mesh, ex_axes)}; use an expert-axis "
+                            f"size that divides {E}")
+    m = _axes_size(mesh, tp_axes)
+    if I % m:
+        raise ShardingError(f"expert width I = {I} cannot be split over {_axes_desc(mesh, tp_axes)} (expert_mlp); "
+                            f"use a tensor-parallel size that divides {I}")
+    n_tok = _axes_size(mesh, tok_axes)
+    if N % n_tok:
+        raise ShardingError(f"{N} tokens cannot be split over {_axes_desc(mesh, tok_axes)} = {n_tok} devices; pad "
+                            f"the batch to a multiple of {n_tok}")
+    t = N // n_tok
+    if hierarchical is None:
+        hierarchical = len(ex_axes) == 2
+    if hierarchical and len(ex_axes) != 2:
+        raise ShardingError(f"hierarchical collectives need exactly two expert axes (outer, inner), got {ex_axes}")
+    if scheme == "alltoall":
+        if not ex_axes:
+            raise ShardingError("scheme 'alltoall' exchanges tokens between expert-parallel devices; with tensor-"
+                                "parallel experts only (no expert axis) use scheme 'allgather'")
+        C = moe_capacity(t, E, k, 1.25 if capacity_factor is None else capacity_factor)
+        if (E // n) % chunks:
+            raise ShardingError(f"chunks={chunks} must divide the {E // n} local experts per device for 'alltoall'")
+    else:
+        if capacity_factor is not None:
+            raise ValueError("capacity_factor applies to scheme='alltoall' only; 'allgather' drops nothing")
+        C = None
+        if t % chunks:
+            raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
+    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
+               gate_up_layout == "checkpoint")
+    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
+    if not return_stats:
+        return y
+    return y, EPStats(dropped, dropped / (N * k), C)
+
+
+def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None):
+    """The all-gather exchange as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
+    data-parallel step (`qwen35.serving.runner`, every device running its own rank's sequences) hands
+    `SparseMoeBlock.__call__` as `routed_fn`. Same math as `moe_ep(scheme="allgather")`, whose `shard_map` cannot
+    nest inside the step's own.
+
+    x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
+    tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
+    default), each device sums its own experts' share (the layer's local path: dense or sorted), and a
+    reduce-scatter returns each device its own tokens' sums. With no expert axis the experts are whole on every
+    device and this is the block's own `routed`."""
+    if not expert_axes:
+        return block.routed(x, weights, experts)
+    if hierarchical is None:
+        hierarchical = len(expert_axes) == 2
+    gate_up, down = block.experts.dequantized(x.dtype)
+    impl = "dense" if getattr(block, "local_impl", block.impl) == "dense" else "sorted"
+    y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
+                           ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
+                           chunks=1)
+    return y
+
+
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Expert placement by load
+def balanced_expert_placement(load, n_devices: int) -> np.ndarray:
+    """A permutation of the E experts that spreads load over `n_devices` expert-parallel devices holding E/n
+    contiguous experts each: experts sorted by load (heaviest first), each placed on the least-loaded device
+    that still has room (greedy longest-processing-time). Returns `perm` [E] int: new slot i holds old expert
+    perm[i], so device d gets experts perm[d·E/n:(d+1)·E/n]. Apply it to a checkpoint by permuting the router
+    rows (`gate.weight[perm]`) and the expert weights (`gate_up_proj[perm]`, `down_proj[perm]`): the model's
+    output is unchanged (routing picks the same experts under new ids) and the busiest device's load drops.
+
+    `load`: tokens per expert [E] (e.g. `qwen35.moe.expert_load(...).tokens_per_expert` measured on traffic)."""
+    load = np.asarray(load, dtype=np.float64)
+    E = load.shape[0]
+    if load.ndim != 1 or E % n_devices:
+        raise ShardingError(f"need a load vector [E] with E a multiple of n_devices={n_devices}, got {load.shape}")
+    per = E // n_devices
+    bins: list[list[int]] = [[] for _ in range(n_devices)]
+    totals = np.zeros(n_devices)
+    for e in np.argsort(-load, kind="stable"):
+        open_ = [d for d in range(n_devices) if len(bins[d]) < per]
+        d = min(open_, key=lambda d: (totals[d], d))
+        bins[d].append(int(e))
+        totals[d] += load[e]
+    return np.array([e for b in bins for e in sorted(b)], dtype=np.int64)
