@@ -147,7 +147,7 @@ def _serving_model(args):
         from qwen35.sharding import make_mesh
 
         mesh = make_mesh(expert=ep, devices=jax.devices()[:ep])
-        print(f"experts split over {ep} devices (EP), attention and GDN replicated")
+        print(f"experts split over {ep} devices (EP); attention data-parallel: one engine rank per device")
     if args.checkpoint:
         from qwen35.sharding import load_sharded
         from qwen35.weights import load_hf_checkpoint, load_tokenizer
@@ -172,13 +172,16 @@ def _serving_common(sp) -> None:
     src.add_argument("--preset", default="tiny", help="preset with random weights when no checkpoint (default tiny)")
     sp.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on CPU, else bfloat16)")
     sp.add_argument("--expert-parallel", type=int, default=None, metavar="N",
-                    help="split the experts over N devices (EP; attention replicated). Default: every device for "
-                         "a checkpoint on an accelerator host, else 1 (unsharded)")
+                    help="split the experts over N devices (EP) and serve attention data-parallel, one engine "
+                         "rank per device. Default: every device for a checkpoint on an accelerator host, else 1 "
+                         "(unsharded)")
     sp.add_argument("--fp8", choices=["keep", "dequantize"], default=None,
                     help="an FP8 checkpoint's experts: keep them FP8 with their block scales (half of bf16's "
                          "memory; default on an accelerator) or dequantise them on load (default on CPU)")
-    sp.add_argument("--max-num-seqs", type=int, default=None, help="sequences in flight (default: concurrency)")
-    sp.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step (Ironwood post: 1024)")
+    sp.add_argument("--max-num-seqs", type=int, default=None,
+                    help="sequences in flight per data-parallel rank (default: concurrency / ranks)")
+    sp.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step and rank (Ironwood post: 1024)")
     sp.add_argument("--block-size", type=int, default=256, help="KV page size in tokens (Ironwood post: 256)")
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--json", default=None, help="also write the results as JSON to this path")
@@ -226,11 +229,13 @@ def cmd_bench(args) -> dict:
     src = args.checkpoint or f"preset {args.preset} (random weights)"
     print(f"serving {src}: workloads {workloads}, concurrency {conc}, lengths / {scale}, "
           f"max_num_batched_tokens {budget}, block size {args.block_size}")
+    ranks = getattr(getattr(model, "mesh", None), "size", 1)  # a sharded model: one engine rank per device
     rows = []
     for w in workloads:
         n_in, n_out = (max(1, n // scale) for n in WORKLOADS[w])
         for c in conc:
-            engine = Engine(model, max_num_seqs=args.max_num_seqs or c, max_num_batched_tokens=max(budget, c),
+            seqs = args.max_num_seqs or -(-c // ranks)
+            engine = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs),
                             block_size=args.block_size, max_model_len=n_in + n_out + 1)
             warm = make_requests(w, c, scale, model.config.vocab_size, seed=args.seed + 1)
             for p, sp in warm:  # compile the step programs (prefill shapes and decode) outside the timed run
