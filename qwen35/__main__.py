@@ -237,9 +237,11 @@ def cmd_bench(args) -> dict:
             seqs = args.max_num_seqs or -(-c // ranks)
             engine = Engine(model, max_num_seqs=seqs, max_num_batched_tokens=max(budget, seqs),
                             block_size=args.block_size, max_model_len=n_in + n_out + 1)
-            warm = make_requests(w, c, scale, model.config.vocab_size, seed=args.seed + 1)
-            for p, sp in warm:  # compile the step programs (prefill shapes and decode) outside the timed run
-                engine.add_request(p, type(sp)(max_tokens=2))
+            # An untimed run of the same workload first: a step's shape follows its rows and context, so this
+            # compiles every program the timed run meets (prefill blocks, and decodes as sequences finish).
+            warm = make_requests(w, c * args.waves, scale, model.config.vocab_size, seed=args.seed + 1)
+            for p, sp in warm:
+                engine.add_request(p, sp)
             while engine.has_unfinished():
                 engine.step()
             reqs = make_requests(w, c * args.waves, scale, model.config.vocab_size, seed=args.seed)

@@ -320,8 +320,10 @@ class Engine:
         compiles, and every size follows the step's own work, not the engine's limits.
 
           Sb  rows: the scheduled sequences, at least `min_batch_rows`, at most max_num_seqs (rounded up);
-          P   pages per row: the longest block table of the step (so a decode at context 100 reads 128 keys per
-              row, not max_model_len's), rounded by `_page_width`;
+          P   pages per row: on the XLA path, which reads every page of the table, the longest block table of
+              the step (so a decode at context 100 reads 128 keys per row, not max_model_len's), rounded by
+              `_page_width`; with `backend="pallas"` max_model_len's (the ragged paged attention kernel reads
+              only each sequence's own pages, so one width means fewer programs to compile at no cost);
           Tb  tokens: Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most the budget);
           Sp  prefill rows in 1, 4, 16, ... and Lb their block length in 16, 32, 64, 256, 1024, ... (`_block_len`);
           Pc  pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the
@@ -331,8 +333,11 @@ class Engine:
         bs = self.block_size
         q_lens = [n for _, n in sched]
         Sb = min(_pow2(len(sched), self.min_batch_rows), self.seq_bucket)
-        longest = max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1)
-        P = min(_page_width(max(longest, self.min_page_width)), self.page_bucket)
+        if self.backend == "pallas":  # the kernel reads only each sequence's own pages: a wide table costs nothing
+            P = self.page_bucket
+        else:  # the XLA path reads every page of the table
+            longest = max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1)
+            P = min(_page_width(max(longest, self.min_page_width)), self.page_bucket)
         pf = [s for s, n in enumerate(q_lens) if n > 1]
         if not pf:
             return StepShape(Sb, P, Sb, 0, 1, 0)
