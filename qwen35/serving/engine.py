@@ -28,8 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from qwen35.serving.cache import SCRATCH_PAGE, BlockAllocator, SlotAllocator, init_paged_cache
-from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch
+from qwen35.serving.cache import BlockAllocator, SlotAllocator, init_paged_cache
+from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch, padding_batch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
 
@@ -365,13 +365,13 @@ class Engine:
         Sb, P, Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
+        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, scratch_slot=slot_alloc.scratch, page_size=bs)  # filled below
         ns = np.asarray(q_lens, np.int64)
         starts = np.fromiter((r.num_computed for r, _ in sched), np.int64, S)
         offs = np.zeros(S + 1, np.int64)
         np.cumsum(ns, out=offs[1:])
-        tokens = np.zeros(Tb, np.int32)
         toks: list[int] = []
-        pages = np.full((Sb, P), SCRATCH_PAGE, np.int32)
+        pages = b.page_indices
         for s, (req, n) in enumerate(sched):
             st = req.num_computed
             if n == 1 and st >= len(req.prompt):  # a decode: the last sampled token
@@ -380,54 +380,35 @@ class Engine:
                 toks.extend(req.tokens(st, st + n))
             table = blocks.tables[id(req)]
             pages[s, :len(table)] = table
-        tokens[:T] = toks
+        b.tokens[:T] = toks
         row = np.repeat(np.arange(S), ns)  # [T] row of each real token
         col = np.arange(T) - offs[row]
         pos = starts[row] + col
-        tok_row = np.zeros(Tb, np.int32)
-        tok_row[:T] = row
-        tok_col = np.zeros(Tb, np.int32)
-        tok_col[:T] = col
-        positions = np.zeros(Tb, np.int32)
-        positions[:T] = pos
-        slot_mapping = np.full(Tb, SCRATCH_PAGE * bs, np.int32)
-        slot_mapping[:T] = pages[row, pos // bs] * bs + pos % bs
-        cu = np.full(Sb + 1, T, np.int32)
-        cu[:S + 1] = offs
-        kv_lens = np.zeros(Sb, np.int32)
-        kv_lens[:S] = starts + ns
-        last_idx = np.zeros(Sb, np.int32)
-        last_idx[:S] = offs[1:] - 1
-        slots = np.full(Sb, slot_alloc.scratch, np.int32)
-        slots[:S] = [slot_alloc.owner[id(r)] for r, _ in sched]
-        fresh = np.zeros(Sb, bool)
-        fresh[:S] = starts == 0
-        gather_idx = np.zeros((Sp, Lb), np.int32)
-        gather_valid = np.zeros((Sp, Lb), bool)
-        pf_rows = np.full(Sp, Sb, np.int32)
-        ctx_pages = pages[pf + [Sb - 1] * (Sp - len(pf)), :Pc]  # padding entries read any row (masked out)
-        tok_pf = np.zeros(Tb, bool)
-        tok_prow = np.zeros(Tb, np.int32)
+        b.tok_row[:T] = row
+        b.tok_col[:T] = col
+        b.positions[:T] = pos
+        b.slot_mapping[:T] = pages[row, pos // bs] * bs + pos % bs
+        b.cu_q_lens[:S + 1] = offs
+        b.cu_q_lens[S + 1:] = T
+        b.kv_lens[:S] = starts + ns
+        b.num_seqs[0] = S
+        b.last_idx[:S] = offs[1:] - 1
+        b.slots[:S] = [slot_alloc.owner[id(r)] for r, _ in sched]
+        b.fresh[:S] = starts == 0
         for j, s in enumerate(pf):
             a, n = offs[s], q_lens[s]
-            gather_idx[j, :n] = np.arange(a, a + n)
-            gather_valid[j, :n] = True
-            pf_rows[j] = s
-            tok_pf[a:a + n] = True
-            tok_prow[a:a + n] = j
-        temp = np.zeros(Sb, np.float32)
-        top_k = np.zeros(Sb, np.int32)
-        top_p = np.ones(Sb, np.float32)
-        seeds = np.zeros(Sb, np.uint32)
-        counters = np.zeros(Sb, np.int32)
+            b.gather_idx[j, :n] = np.arange(a, a + n)
+            b.gather_valid[j, :n] = True
+            b.pf_rows[j] = s
+            b.tok_pf[a:a + n] = True
+            b.tok_prow[a:a + n] = j
         if any(r.params.temperature > 0 for r, _ in sched):  # greedy rows need none of these
             for s, (req, _) in enumerate(sched):
                 p = req.params
-                temp[s], top_k[s], top_p[s] = p.temperature, p.top_k, p.top_p
-                seeds[s], counters[s] = np.uint32(p.seed % 2**32), len(req.output)
-        return StepBatch(tokens, positions, slot_mapping, cu, kv_lens, pages, np.array([S], np.int32), slots, fresh,
-                         gather_idx, gather_valid, pf_rows, ctx_pages, tok_row, tok_pf, tok_prow, tok_col, last_idx,
-                         temp, top_k, top_p, seeds, counters)
+                b.temperature[s], b.top_k[s], b.top_p[s] = p.temperature, p.top_k, p.top_p
+                b.seeds[s], b.counters[s] = np.uint32(p.seed % 2**32), len(req.output)
+        # the context pages of each prefill entry (padding entries read any row: masked out)
+        return b._replace(ctx_pages=pages[pf + [Sb - 1] * (Sp - len(pf)), :Pc])
 
     def _batch(self, scheds: list[list[tuple[Request, int]]]) -> StepBatch:
         """One step's batch: a rank's own arrays, or on a mesh every rank's stacked [dp, ...] at common sizes and

@@ -101,14 +101,17 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
                            "temp": int(m.temp_size_in_bytes), "aliased": int(m.alias_size_in_bytes)}
         return progs[name]
 
-    def nbytes_per_device(tree):
+    seen: set[int] = set()
+
+    def nbytes_per_device(tree):  # each array once (tied embeddings: the embed and head programs share one)
         total = 0
         for a in jax.tree.leaves(tree):
-            shard = a.sharding.shard_shape(a.shape)
-            total += int(np.prod(shard)) * jnp.dtype(a.dtype).itemsize
+            if id(a) not in seen:
+                seen.add(id(a))
+                total += int(np.prod(a.sharding.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize
         return total
 
-    weights = cache_bytes = temp = 0
+    weights = cache_bytes = 0
     embed, leaves = run.embed
     analyse("embed", embed, leaves, batch.tokens, dtype=dtype)
     weights += nbytes_per_device(leaves)

@@ -91,8 +91,9 @@ class StepBatch(NamedTuple):
 def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, scratch_slot: int = 0,
                   page_size: int = 1) -> StepBatch:
     """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row the
-    scratch slot (`scratch_slot`), nothing is visible. What an idle rank runs beside busy ones, and, through
-    `jax.ShapeDtypeStruct`s of its arrays, the shapes a step is compiled for from shapes alone."""
+    scratch slot (`scratch_slot`), nothing is visible. `Engine.build_batch` starts from it and fills in the
+    scheduled rows; an idle rank runs it as it is beside busy ones; its arrays' shapes are what a step is compiled
+    for from shapes alone (`qwen35.serving.plan`)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(tokens=z(Tb), positions=z(Tb), slot_mapping=np.full(Tb, SCRATCH_PAGE * page_size, np.int32),
                      cu_q_lens=z(Sb + 1), kv_lens=z(Sb), page_indices=np.full((Sb, P), SCRATCH_PAGE, np.int32),
@@ -377,9 +378,7 @@ def _on_ranks(fn, dp: DataParallel | None, specs):
 def _program(kind: str, module, dp: DataParallel | None = None):
     """(jitted program for `kind` closed over `module`'s structure and, on a mesh, its parameters' placement; the
     module's flat parameter arrays)."""
-    state = nnx.state(module)
-    leaves = jax.tree.leaves(state)
-    specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in leaves)
+    specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in jax.tree.leaves(nnx.state(module)))
     program, state = bind_program((kind, dp, specs), module,
                                   lambda merge: _BUILDERS[kind](merge, dp, specs))
     return program, jax.tree.leaves(state)
