@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, assert_no_near_tie, assert_same_greedy, greedy_step_logits, model_terms
@@ -425,3 +426,29 @@ def test_serving_benchmark_interleaved_pair(model):
         assert_same_greedy(got, want, greedy_step_logits(model, prompt, want), TERMS, name=f"request {rid}")
     assert res["static"]["steps"] > res["continuous"]["steps"]
     assert res["static"]["seconds"] + res["continuous"]["seconds"] <= wall
+
+
+def test_engine_device_benchmark_tiny(tmp_path):
+    """benchmarks/engine_device.py on the tiny preset: its device-made random model has the model's own parameter
+    shapes in bf16, and each row's roofline reads the closed-form bytes of its KV pages (whole 16-token pages of
+    2 attention layers x K and V x 2 heads x 32 dims x 2 bytes per sequence)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "engine_device.py"
+    spec = importlib.util.spec_from_file_location("bench_engine_device", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = tiny()
+    made = nnx.state(bench.random_model(cfg))
+    ref = nnx.state(Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    assert jax.tree.map(lambda a: a.shape, made) == jax.tree.map(lambda a: a.shape, ref)
+    assert {a.dtype for a in jax.tree.leaves(made)} == {jnp.dtype(jnp.bfloat16)}
+    out = bench.main(["--preset", "tiny", "--batches", "2", "--context", "16", "--new-tokens", "4",
+                      "--block-size", "16", "--json", str(tmp_path / "ed.json")])
+    (row,) = out["rows"]
+    assert row["batch"] == 2 and row["decode_steps"] >= 1 and row["step_s"] > 0
+    assert row["bytes"]["kv_cache"] == 2 * 32 * (cfg.num_full_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2)
+    assert row["bytes"]["total"] == pytest.approx(sum(v for k, v in row["bytes"].items() if k != "total"))
+    assert json.loads((tmp_path / "ed.json").read_text())["rows"][0]["batch"] == 2
