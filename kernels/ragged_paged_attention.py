@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["ragged_paged_attention", "ragged_paged_attention_reference", "check_ragged_inputs", "default_interpret",
+__all__ = ["ragged_paged_attention", "ragged_paged_attention_pool", "ragged_paged_attention_reference", "check_ragged_inputs", "default_interpret",
            "rpa_cost"]
 
 
@@ -118,11 +118,14 @@ def default_interpret(interpret=None):
     return interpret
 
 
-def _rpa_kernel(kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar prefetch (SMEM)
-                q_ref, k_hbm, v_hbm,                                     # inputs: q block (VMEM), pages (HBM)
-                o_ref,                                                   # output block (VMEM)
-                k_buf, v_buf, sems,                                      # scratch
-                *, block_q, pages_per_block, page_size, pages_per_seq, sm_scale):
+def _rpa_kernel(kv_idx_ref, kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar prefetch (SMEM)
+                q_ref, *refs,   # inputs: q block (VMEM), pages (HBM: k and v, or one pool holding both); output; scratch
+                block_q, pages_per_block, page_size, pages_per_seq, sm_scale, kv_dtype, one_source):
+    if one_source:  # the serving pool: K and V pages are both in it
+        kv_hbm, o_ref, k_buf, v_buf, sems = refs
+        k_hbm = v_hbm = kv_hbm
+    else:
+        k_hbm, v_hbm, o_ref, k_buf, v_buf, sems = refs
     bq, Hkv, G, D = q_ref.shape
     ppb, ps, P = pages_per_block, page_size, pages_per_seq
     L = ppb * ps                      # keys per KV block
@@ -148,7 +151,8 @@ def _rpa_kernel(kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar 
                 def body(j, c):
                     page = pt_ref[s * P + jnp.minimum(b * ppb + j, P - 1)]   # clamped: tail pages are masked
                     rows_j = pl.ds(j * ps * Hkv, ps * Hkv)                    # page j's rows in the buffer
-                    for src, dst, sem in ((k_hbm, k_buf, sems.at[0, slot]), (v_hbm, v_buf, sems.at[1, slot])):
+                    for src, dst, sem in ((k_hbm.at[kv_idx_ref[0]], k_buf, sems.at[0, slot]),
+                                          (v_hbm.at[kv_idx_ref[1]], v_buf, sems.at[1, slot])):
                         action(pltpu.make_async_copy(src.at[page], dst.at[slot, rows_j], sem))
                     return c
 
@@ -175,6 +179,9 @@ def _rpa_kernel(kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar 
                     # Buffer row (key·Hkv + h): KV head h's L keys are every Hkv-th row (a strided load).
                     kh = k_buf[slot, pl.ds(h, L, stride=Hkv), :]
                     vh = v_buf[slot, pl.ds(h, L, stride=Hkv), :]
+                    if kh.dtype != kv_dtype:  # a pool of bits (the serving engine's): the values, bit for bit
+                        kh = jax.lax.bitcast_convert_type(kh, kv_dtype)
+                        vh = jax.lax.bitcast_convert_type(vh, kv_dtype)
                     sc = jax.lax.dot_general(qh, kh, (((1,), (1,)), ((), ())),
                                              preferred_element_type=jnp.float32) * sm_scale
                     sc = jnp.where(mask, sc, _MASK)
@@ -201,11 +208,13 @@ def _rpa_kernel(kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar 
     jax.lax.fori_loop(seq_lo_ref[i], seq_hi_ref[i], seq_body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "interpret"))
-def _rpa(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block_q, pages_per_block,
-         interpret):
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "pages_per_block", "interpret", "kv_dtype"))
+def _rpa(q, k_src, v_src, kv_idx, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block_q,
+         pages_per_block, interpret, kv_dtype):
+    """The kernel on K pages k_src[kv_idx[0]] and V pages v_src[kv_idx[1]] (k_src, v_src [C, num_pages, ps, Hkv,
+    D]; a plain pair of page arrays is C = 1, kv_idx = (0, 0); v_src None: the V pages are in k_src too)."""
     Tq, Hq, D = q.shape
-    _, ps, Hkv, _ = k_pages.shape
+    C, _, ps, Hkv, _ = k_src.shape
     S, P = page_indices.shape
     G = Hq // Hkv
     bq = block_q
@@ -218,24 +227,26 @@ def _rpa(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_
     seq_hi = jnp.sum(cu[None, :S] < blk_start[:, None] + bq, axis=1).astype(jnp.int32)
     seq_hi = jnp.minimum(seq_hi, jnp.minimum(num_seqs[0], S)).astype(jnp.int32)
     kernel = functools.partial(_rpa_kernel, block_q=bq, pages_per_block=pages_per_block, page_size=ps,
-                               pages_per_seq=P, sm_scale=sm_scale)
+                               pages_per_seq=P, sm_scale=sm_scale, kv_dtype=kv_dtype, one_source=v_src is None)
+    # free reshapes: the pages stay put; the serving pool is passed once (its K and V pages are both in it)
+    srcs = [k_src.reshape(C, -1, ps * Hkv, D)] + ([] if v_src is None else [v_src.reshape(C, -1, ps * Hkv, D)])
     q_spec = pl.BlockSpec((bq, Hkv, G, D), lambda i, *_: (i, 0, 0, 0))
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(nqb,),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(srcs),
             out_specs=q_spec,
-            scratch_shapes=[pltpu.VMEM((2, pages_per_block * ps * Hkv, D), k_pages.dtype),
-                            pltpu.VMEM((2, pages_per_block * ps * Hkv, D), v_pages.dtype),
+            scratch_shapes=[pltpu.VMEM((2, pages_per_block * ps * Hkv, D), k_src.dtype),
+                            pltpu.VMEM((2, pages_per_block * ps * Hkv, D), srcs[-1].dtype),
                             pltpu.SemaphoreType.DMA((2, 2))],
         ),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
-    )(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu, seq_lo, seq_hi,
-      q4, k_pages.reshape(-1, ps * Hkv, D), v_pages.reshape(-1, ps * Hkv, D))   # free reshapes: pages stay put
+    )(kv_idx.astype(jnp.int32), kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32).reshape(-1), cu, seq_lo,
+      seq_hi, q4, *srcs)
     return out.reshape(nqb * bq, Hq, D)[:Tq]
 
 
@@ -252,15 +263,53 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     masked); kv_lens[s] >= q_len(s) for every used sequence.
     """
     check_ragged_inputs(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
-    page_size = k_pages.shape[1]
+    return _rpa_call(q, k_pages[None], v_pages[None], jnp.zeros(2, jnp.int32), kv_lens, page_indices, cu_q_lens,
+                     num_seqs, sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block,
+                     interpret=interpret)
+
+
+def ragged_paged_attention_pool(q, pool, kv_index, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                                kv_dtype=None, sm_scale: float | None = None, block_q: int = 8,
+                                pages_per_block: int | None = None, interpret=None) -> jax.Array:
+    """`ragged_paged_attention` with the K pages `pool[kv_index]` and the V pages `pool[kv_index + 1]` of a cache
+    pool [C, num_pages, page_size, Hkv, D] (the serving engine's, `qwen35.serving.cache`): the kernel's DMAs
+    read the layer's pages in place, so no copy of a layer's pages is made. kv_index may be traced (one compiled
+    program serves every attention layer). A pool of unsigned integers holds the bits of `kv_dtype` values (the
+    engine's pool), bitcast back after each page lands in VMEM."""
+    if pool.ndim != 5:
+        raise ValueError(f"pool must be [C, num_pages, page_size, Hkv, D], got shape {tuple(pool.shape)}")
+    kv_dtype = jnp.dtype(kv_dtype or pool.dtype)
+    if kv_dtype.itemsize != pool.dtype.itemsize:
+        raise ValueError(f"kv_dtype {kv_dtype} is not as wide as the pool's {pool.dtype}")
+    page = jax.ShapeDtypeStruct(pool.shape[1:], kv_dtype)
+    check_ragged_inputs(q, page, page, kv_lens, page_indices, cu_q_lens, num_seqs)
+    idx = jnp.asarray(kv_index, jnp.int32)
+    if interpret is None and jax.default_backend() != "tpu":
+        # Off TPU, by default: the interpreter gets the layer's K and V pages as two arrays (copies). With the whole
+        # pool as its operand, TPU interpret mode hung inside the engine's multi-device layer programs (its threads
+        # blocked allocating the kernel's buffers; not reproduced outside the engine). An explicit `interpret`
+        # runs the in-place path below, as on TPU (tests/test_kernels_attention.py checks it).
+        k, v = (jax.lax.bitcast_convert_type(pool[i], kv_dtype) for i in (idx, idx + 1))
+        return _rpa_call(q, k[None], v[None], jnp.zeros(2, jnp.int32), kv_lens, page_indices, cu_q_lens, num_seqs,
+                         sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block, interpret=None)
+    return _rpa_call(q, pool, None, jnp.stack([idx, idx + 1]), kv_lens, page_indices, cu_q_lens, num_seqs,
+                     sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block, interpret=interpret,
+                     kv_dtype=kv_dtype)
+
+
+def _rpa_call(q, k_src, v_src, kv_idx, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block_q,
+              pages_per_block, interpret, kv_dtype=None):
+    """The kernel on K pages k_src[kv_idx[0]] and V pages v_src[kv_idx[1]] (v_src None: both in k_src)."""
+    page_size = k_src.shape[2]
     if pages_per_block is None:
         pages_per_block = max(1, 128 // page_size)
     pages_per_block = min(pages_per_block, page_indices.shape[1])   # never more than a sequence can own
     if not isinstance(block_q, int) or block_q < 1 or not isinstance(pages_per_block, int) or pages_per_block < 1:
         raise ValueError(f"block_q and pages_per_block must be positive ints, got {block_q!r}, {pages_per_block!r}")
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    return _rpa(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale, block_q=block_q,
-                pages_per_block=pages_per_block, interpret=default_interpret(interpret))
+    return _rpa(q, k_src, v_src, kv_idx, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=scale,
+                block_q=block_q, pages_per_block=pages_per_block, interpret=default_interpret(interpret),
+                kv_dtype=jnp.dtype(kv_dtype or k_src.dtype))
 
 
 def rpa_cost(kv_lens, q_lens, *, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,

@@ -18,7 +18,8 @@ from jax.experimental.pallas import tpu as pltpu
 import qwen35
 from qwen35.attention import GatedAttention
 from qwen35.config import FULL, LINEAR
-from qwen35.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
+from qwen35.kernels.ragged_paged_attention import (ragged_paged_attention, ragged_paged_attention_pool,
+                                                   ragged_paged_attention_reference)
 from qwen35.model import Qwen35ForCausalLM
 
 
@@ -145,6 +146,24 @@ def test_bad_input_errors():
         ragged_paged_attention(q, kp, vp, kv, pt, cu, ns, block_q=0)
 
 
+@pytest.mark.timeout(240)
+def test_kernel_reads_a_layer_of_the_serving_pool():
+    """`ragged_paged_attention_pool`: the K and V pages of one layer of the serving engine's pool (bits of float32
+    in uint32, [2A, num_pages, page_size, Hkv, D]), the layer's index traced, equal the reference on that layer's
+    pages as values, for each of three layers through one compiled kernel."""
+    rng = np.random.default_rng(11)
+    q, kp, vp, kv, pt, cu, ns = make_batch(rng, [3, 1], [3, 21], page_size=16)
+    pages = rng.standard_normal((6, *kp.shape)).astype(np.float32)  # 3 layers' K and V pages
+    bits = jax.lax.bitcast_convert_type(pages, jnp.uint32)
+    run = jax.jit(lambda ki: ragged_paged_attention_pool(q, bits, ki, kv, pt, cu, ns, kv_dtype=jnp.float32,
+                                                         block_q=4, interpret=RACES))
+    for layer in range(3):
+        out = np.asarray(run(np.int32(2 * layer)))
+        ref = np.asarray(ragged_paged_attention_reference(q, pages[2 * layer], pages[2 * layer + 1], kv, pt, cu, ns))
+        assert_close(out, ref, terms=q.shape[-1] + int(np.max(kv)), name=f"layer {layer} of the pool")
+    assert run._cache_size() == 1 and not races_found()
+
+
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_lowers_for_tpu(page_size):
     """The Mosaic lowering (TPU layout rules interpret mode does not check) on serving-like shapes."""
@@ -154,6 +173,12 @@ def test_lowers_for_tpu(page_size):
               sd((S,), i32), sd((S, P), i32), sd((S + 1,), i32), sd((1,), i32))
     f = jax.jit(lambda *a: ragged_paged_attention(*a, block_q=8, interpret=False))
     exported = jax.export.export(f, platforms=["tpu"])(*shapes)
+    assert "tpu_custom_call" in exported.mlir_module()
+    # the serving engine's pool: 4 layers' pages as bf16 bits, the layer's index traced
+    pool = sd((8, S * P, page_size, 2, 128), jnp.uint16)
+    g = jax.jit(lambda q, pool, ki, *a: ragged_paged_attention_pool(q, pool, ki, *a, kv_dtype=bf, block_q=8,
+                                                                     interpret=False))
+    exported = jax.export.export(g, platforms=["tpu"])(shapes[0], pool, sd((), i32), *shapes[3:])
     assert "tpu_custom_call" in exported.mlir_module()
 
 

@@ -18,12 +18,15 @@ from helpers import assert_close, assert_no_near_tie, assert_same_greedy, greedy
 from flax import nnx
 
 from qwen35 import Qwen35ForCausalLM, generate, tiny
-from qwen35.serving import BlockAllocator, Engine, SamplingParams, SlotAllocator, sample, sampling_probs
+from qwen35.serving import BlockAllocator, Engine, SamplingParams, sample, sampling_probs
 
 MAX_NEW = 8
 MAX_LEN = 128
 BUDGET = 64
-NUM_BLOCKS = {16: 32 * (MAX_LEN // 16) + 1, 256: 32 + 1}  # enough for 32 full-length sequences
+# Blocks enough for 32 full-length sequences: pages plus each one's GDN state (tiny, float32: 5 blocks of 16-token
+# pages, 3 of 256-token pages; test_pool_state_round_trip checks those sizes).
+STATE_BLOCKS = {16: 5, 256: 3}
+NUM_BLOCKS = {16: 32 * (MAX_LEN // 16 + 5) + 1, 256: 32 * (1 + 3) + 1}
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +76,8 @@ def make_engine(model, concurrency, block_size, chunked=True, num_blocks=None, *
 
 
 def assert_all_free(engine):
-    assert engine.blocks.num_free == engine.num_blocks - 1, "pages leaked"
-    assert engine.slots.num_free == engine.max_num_seqs, "GDN slots leaked"
-    assert not engine.blocks.tables and not engine.slots.owner
+    assert engine.blocks.num_free == engine.num_blocks - 1, "blocks leaked"
+    assert not engine.blocks.tables and not engine.blocks.states
     assert not engine.has_unfinished()
 
 
@@ -101,8 +103,9 @@ def test_batch_invariance_greedy(model, prompts, max_tokens, reference, referenc
 
 
 def test_cache_pressure_preempts_and_recomputes(model, prompts, max_tokens, reference, reference_logits):
-    # 11 usable pages of 16 tokens = 176 tokens for 8 running requests that need up to 48 each.
-    engine = make_engine(model, 8, 16, num_blocks=12)
+    # 41 usable blocks, a GDN state taking 5: requests admitted on their first chunk's pages (prompts of 40 tokens
+    # are cut to the budget left) outgrow the pool as their prompts and outputs grow.
+    engine = make_engine(model, 8, 16, num_blocks=42)
     outs = engine.generate(prompts[:16], [SamplingParams(max_tokens=m) for m in max_tokens[:16]])
     assert engine.scheduler.num_preemptions > 0, "the test did not create cache pressure"
     assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
@@ -112,8 +115,8 @@ def test_cache_pressure_preempts_and_recomputes(model, prompts, max_tokens, refe
 
 
 def test_request_larger_than_cache_is_rejected_not_stuck(model):
-    engine = make_engine(model, 8, 16, num_blocks=4)  # 48 tokens in all
-    with pytest.raises(ValueError, match="exceed the whole KV cache"):
+    engine = make_engine(model, 8, 16, num_blocks=4 + STATE_BLOCKS[16])  # 48 tokens beside one sequence's state
+    with pytest.raises(ValueError, match="exceed the whole cache pool"):
         engine.add_request(list(range(40)), SamplingParams(max_tokens=20))
     assert not engine.has_unfinished()
 
@@ -237,11 +240,75 @@ def test_allocators():
     blocks.free(1)
     blocks.free(2)
     assert blocks.num_free == 4
-    slots = SlotAllocator(3)
-    a, b = slots.allocate("a"), slots.allocate("b")
-    assert {a, b} == {0, 1} and slots.num_free == 0
-    slots.free("a")
-    assert slots.allocate("c") == a  # recycled
+    pool = BlockAllocator(9, 16, state_blocks=3)  # 8 usable blocks, a GDN state takes 3
+    assert pool.can_admit("a", 32) and not pool.can_admit("a", 97)  # 3 + 2 fit, 3 + 7 do not
+    a = pool.allocate_state("a") + pool.allocate("a", 32)
+    assert len(set(a)) == 5 and 0 not in a and pool.num_free == 3
+    assert pool.allocate_state("a") == a[:3]  # taken once
+    assert not pool.can_admit("b", 1)  # 3 + 1 > 3 free: the state and the pages come from the same blocks
+    pool.free("a")
+    assert pool.num_free == 8 and not pool.states and not pool.tables
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_pool_state_round_trip(dtype):
+    """`write_state` / `read_state` on the pool: each GDN layer's states come back bit for bit (float32 recurrent
+    states stored as 16-bit halves in a bf16 pool), writing one layer leaves every other layer's units and the
+    attention pages alone, and a padding row (NO_BLOCK) reads zeros and writes nothing. The layout's sizes are the
+    closed form: 16-token pages of 2 layers x K,V x 2 heads x 32 dims are units of 1,024 elements, 4 a block; a
+    layer's recurrent state 4 x 16 x 24 float32 takes 2 units (3 in bf16 halves), its conv state 160 x 4 one."""
+    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, layout_bytes, pool_layout, read_state, write_state
+
+    cfg = tiny()
+    lay = pool_layout(cfg, 16, dtype)
+    halves = 2 if dtype == jnp.bfloat16 else 1
+    assert (lay.unit, lay.units_per_block, lay.conv_units) == (1024, 4, 1)
+    assert lay.rec_units == -(-1536 * halves // 1024) and lay.state_blocks == -(-6 * lay.layer_units // 4)
+    pool = init_paged_cache(cfg, 16, 16, dtype).pool
+    assert pool.dtype == (jnp.uint16 if halves == 2 else jnp.uint32)  # bits of the cache dtype
+    rng = np.random.default_rng(0)
+    pool = jnp.asarray(rng.integers(0, np.iinfo(pool.dtype).max, pool.shape), pool.dtype)  # every bit pattern
+    blocks = jnp.asarray([[3, 7, 1, 12, 9, 5][:lay.state_blocks], [NO_BLOCK] * lay.state_blocks], jnp.int32)
+    conv = jnp.asarray(rng.standard_normal((2, 160, 4)), dtype)
+    rec = jnp.asarray(rng.standard_normal((2, 4, 16, 24)), jnp.float32)
+    new = write_state(cfg, pool, 2, blocks, conv, rec)
+    c2, r2 = read_state(cfg, new, 2, blocks, dtype)
+    np.testing.assert_array_equal(np.asarray(r2[0]), np.asarray(rec[0]))
+    np.testing.assert_array_equal(np.asarray(c2[0], np.float32), np.asarray(conv[0], np.float32))
+    assert not np.any(np.asarray(r2[1])) and not np.any(np.asarray(c2[1], np.float32))  # padding row: zeros
+    changed = np.asarray(new != pool)
+    assert changed.sum() <= lay.layer_units * lay.unit  # one row's units of one layer, nothing else
+    for j in (0, 1, 3, 4, 5):
+        for got, was in zip(read_state(cfg, new, j, blocks, dtype), read_state(cfg, pool, j, blocks, dtype)):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(was, np.float32))
+    b = layout_bytes(cfg, 20, 16, dtype_bytes=4)
+    assert b["block_bytes"] == 16 * 1024 and b["pages"] == 2 and b["kv_bytes"] == 2 * 16 * 1024
+    assert b["gdn_state_bytes"] == 5 * 16 * 1024 and b["gdn_waste_bytes"] == 5 * 16 * 1024 - 6 * (1536 + 640) * 4
+
+
+def pool_layout_of(model):
+    from qwen35.serving.cache import pool_layout
+
+    return pool_layout(model.config, 16, model.dtype)
+
+
+def test_one_pool_moves_capacity_between_states_and_pages(model):
+    """The same pool of blocks holds four short sequences at once (each one page and a 5-block GDN state) or one
+    sequence of 300 tokens (19 pages and its state): two fixed pools of the same bytes sized for four sequences
+    would hold four states and only four pages, and could serve neither the long one nor more short ones."""
+    lay = pool_layout_of(model)
+    num_blocks = 1 + 4 * (lay.state_blocks + 1)  # 25 blocks
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, num_blocks=num_blocks,
+                    max_model_len=320, min_batch_rows=8, min_page_width=20)
+    outs = engine.generate([[1 + i] * 10 for i in range(6)], SamplingParams(max_tokens=4))
+    assert all(o.error is None and len(o.token_ids) == 4 for o in outs)
+    assert max(len(h["rows"]) for h in engine.history) == 4  # the blocks, not max_num_seqs = 8, bounded the batch
+    assert_all_free(engine)
+    (out,) = engine.generate([list(range(1, 297))], SamplingParams(max_tokens=4))
+    assert out.error is None and len(out.token_ids) == 4
+    assert_all_free(engine)
+    with pytest.raises(ValueError, match="whole cache pool"):
+        engine.add_request(list(range(1, 300)), SamplingParams(max_tokens=8))  # 19 pages + the state: no room
 
 
 def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference, reference_logits):
@@ -256,7 +323,7 @@ def test_engine_serves_a_sharded_model(model, prompts, max_tokens, reference, re
     outs = engine.generate(prompts[:4], [SamplingParams(max_tokens=m) for m in max_tokens[:4]])
     assert_greedy(outs, reference, reference_logits, max_tokens[:4], "differs from generate (sharded)")
     for rank in engine.ranks:
-        assert rank.blocks.num_free == engine.num_blocks - 1 and rank.slots.num_free == engine.max_num_seqs
+        assert rank.blocks.num_free == engine.num_blocks - 1 and not rank.blocks.states
     assert not engine.has_unfinished()
 
 
@@ -301,17 +368,22 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
         modes |= {"own" if k[3][1] == 0 else "whole table" if k[3][1] == k[4] else "context"
                   for k in seen if k[1][0] > 0}
         rng = np.random.default_rng(0)
-        kv_shape = engine.cache.layers[3].k.shape  # [num_pages, page_size, Hkv, D]
-        Hq = model.config.num_attention_heads
+        cfg = model.config
+        C, NB, _ = engine.cache.pool.shape
+        pool_shape = (C, NB, block_size, cfg.num_key_value_heads, cfg.head_dim)  # the pool's page view
+        kv_shape = pool_shape[1:]  # [num_pages, page_size, Hkv, D]
+        Hq = cfg.num_attention_heads
         for (_, _, S, _, _), b in seen.items():
             q = rng.standard_normal((b.tokens.shape[0], Hq, kv_shape[-1]), np.float32)
-            k, v = rng.standard_normal(kv_shape, np.float32), rng.standard_normal(kv_shape, np.float32)
+            pages = rng.standard_normal(pool_shape, np.float32)
+            k, v = pages[2], pages[3]  # attention layer 1's K and V pages
+            bits = jax.lax.bitcast_convert_type(pages, engine.cache.pool.dtype)  # as the pool stores them
             T = int(b.cu_q_lens[S])
             with jax.default_matmul_precision("highest"):
                 ref = ragged_paged_attention_reference(q, k, v, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs)
                 k_new = k.reshape(-1, *kv_shape[2:])[b.slot_mapping]  # the step's own K/V, as written to the pages
                 v_new = v.reshape(-1, *kv_shape[2:])[b.slot_mapping]
-                got = _paged_attention_rows(q, k_new, v_new, k, v, b)
+                got = _paged_attention_rows(q, k_new, v_new, bits, 2, b)
             # scores over D, then the values over the longest context's keys
             assert_close(np.asarray(got)[:T], np.asarray(ref)[:T], terms=kv_shape[-1] + int(np.max(b.kv_lens)),
                          name="paged attention rows")
@@ -350,7 +422,8 @@ def test_engine_with_the_pallas_backend_matches_generate():
 
     def jaxpr(i):
         prog, leaves = run.layers[i]
-        return str(jax.make_jaxpr(lambda: prog(leaves, h, engine.cache.layers[i], batches[0], backend="pallas"))())
+        return str(jax.make_jaxpr(lambda: prog(leaves, run.indices[i], h, engine.cache.pool, batches[0],
+                                               backend="pallas"))())
 
     assert "name=_rpa" in jaxpr(1)  # the attention layer: ragged paged attention over the block tables
     gdn = jaxpr(0)  # the GDN layer: the fused decode kernel for every row, the chunked kernel for the prefill block

@@ -22,6 +22,7 @@ from qwen35.serving import Engine, SamplingParams
 
 MAX_LEN = 128
 BUDGET = 64
+STATE = {16: 5, 256: 3}  # blocks of one GDN state (tiny, float32; tests/test_serving.py checks the layout)
 TERMS = model_terms(tiny(), MAX_LEN)
 
 
@@ -59,7 +60,7 @@ def meshes():
 def make_engine(model, mesh, block_size=16, chunked=True, max_num_seqs=2, num_blocks=None, **kw):
     kw.setdefault("min_batch_rows", max_num_seqs)  # one row count per engine: fewer programs to compile
     return Engine(model, mesh=mesh, max_num_seqs=max_num_seqs, max_num_batched_tokens=BUDGET, block_size=block_size,
-                  num_blocks=num_blocks or max_num_seqs * -(-MAX_LEN // block_size) + 1, max_model_len=MAX_LEN,
+                  num_blocks=num_blocks or max_num_seqs * (-(-MAX_LEN // block_size) + STATE[block_size]) + 1, max_model_len=MAX_LEN,
                   enable_chunked_prefill=chunked, **kw)
 
 
@@ -72,8 +73,8 @@ def assert_greedy(outs, reference, max_tokens, what):
 
 def assert_all_free(engine):
     for k, r in enumerate(engine.ranks):
-        assert r.blocks.num_free == engine.num_blocks - 1 and not r.blocks.tables, f"rank {k}: pages leaked"
-        assert r.slots.num_free == engine.max_num_seqs and not r.slots.owner, f"rank {k}: GDN slots leaked"
+        assert r.blocks.num_free == engine.num_blocks - 1, f"rank {k}: blocks leaked"
+        assert not r.blocks.tables and not r.blocks.states, f"rank {k}: a finished sequence kept pages or state"
         assert r.load == 0 and not r.scheduler.has_unfinished()
 
 
@@ -84,7 +85,7 @@ def test_batch_invariance_on_a_mesh(model, prompts, max_tokens, reference, mesh,
     """Every request's greedy tokens equal `generate` alone on one device, whichever rank ran it and whatever the
     other ranks ran beside it (prefill chunks, decodes, padding ranks)."""
     mesh = meshes()[mesh]()
-    # One sequence per rank on 8 ranks, two on one device: 12 requests then always outnumber the slots, so later
+    # One sequence per rank on 8 ranks, two on one device: 12 requests then always outnumber the places, so later
     # requests prefill while others decode (on another rank, or beside them on the one device).
     engine = make_engine(model, mesh, block_size, chunked, max_num_seqs=1 if mesh.size > 1 else 2)
     assert engine.num_ranks == mesh.size
@@ -97,26 +98,25 @@ def test_batch_invariance_on_a_mesh(model, prompts, max_tokens, reference, mesh,
 
 
 def test_each_device_holds_only_its_ranks_cache(model):
-    """The paged cache has a leading [dp] axis split over the mesh: device d's shard is rank d's pages and slots
+    """The cache pool has a leading [dp] axis split over the mesh: device d's shard is rank d's pages and GDN states
     alone, and a model given unsharded is sharded by the engine (experts E/8 per device)."""
     mesh = sharding.make_mesh(expert=8)
     engine = make_engine(model, mesh)
-    for layer in engine.cache.layers:
-        for a in layer:
-            assert a.shape[0] == 8
-            assert {s.data.shape[0] for s in a.addressable_shards} == {1}
-            assert len({s.device for s in a.addressable_shards}) == 8
+    a = engine.cache.pool
+    assert a.shape[0] == 8
+    assert {s.data.shape for s in a.addressable_shards} == {(1, *a.shape[1:])}
+    assert len({s.device for s in a.addressable_shards}) == 8
     gu = engine.model.model.layers[0].mlp.experts.gate_up_proj[...]
     E = model.config.num_experts
     assert {s.data.shape[0] for s in gu.addressable_shards} == {E // 8}
 
 
 def test_preemption_on_one_rank(model, prompts, max_tokens, reference):
-    """Cache pressure on rank 3 alone (every long prompt pinned there, 5 pages of 16 tokens): it preempts and
-    recomputes, the other ranks never do, every request completes with generate's tokens, and afterwards every
-    block and slot of every rank is free."""
+    """Cache pressure on rank 3 alone (every long prompt pinned there, 15 blocks: two such prompts' states and pages
+    do not fit): it preempts and recomputes, the other ranks never do, every request completes with generate's
+    tokens, and afterwards every block of every rank is free."""
     mesh = sharding.make_mesh(expert=8)
-    engine = make_engine(model, mesh, max_num_seqs=4, num_blocks=6)
+    engine = make_engine(model, mesh, max_num_seqs=4, num_blocks=16)  # a 40-token prompt: 5 state blocks + 3 pages
     ids = [engine.add_request(p, SamplingParams(max_tokens=m), dp_rank=3 if len(p) > 10 else i % 8)
            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
     while engine.has_unfinished():
@@ -134,7 +134,7 @@ def test_500_requests_over_8_ranks_and_bad_input(model):
     """500 short requests and 3 bad ones on 8 ranks: every good request completes once, in order, with its own
     number of tokens; the bad ones get their error and nothing else changes; the load is spread over all ranks."""
     rng = np.random.default_rng(2)
-    engine = make_engine(model, sharding.make_mesh(expert=8), max_num_seqs=8, num_blocks=33)
+    engine = make_engine(model, sharding.make_mesh(expert=8), max_num_seqs=8, num_blocks=33 + 8 * STATE[16])
     good = [rng.integers(0, 512, size=int(rng.integers(1, 7))).tolist() for _ in range(500)]
     mt = [int(rng.integers(1, 4)) for _ in range(500)]
     bad = {100: [], 200: [7, 512], 300: list(range(MAX_LEN))}  # empty, id outside the vocabulary, too long
@@ -173,7 +173,7 @@ def test_meshes_the_engine_refuses(model):
 def test_step_collectives_match_the_napkin_formula(model):
     """The compiled DP step's collectives per MoE layer, read from its HLO: an all-gather of each device's Tb
     tokens and packed routing over the expert axis and a reduce-scatter back, exactly `moe_comm_bytes`'s
-    "allgather" bytes; attention and GDN add none (each rank reads only its own pages and slots)."""
+    "allgather" bytes; attention and GDN add none (each rank reads only its own pages and states)."""
     mesh = sharding.make_mesh(data=2, expert=4)
     engine = make_engine(model, mesh, max_num_seqs=4)
     for p in ([1, 2, 3], list(range(20))):
@@ -184,7 +184,8 @@ def test_step_collectives_match_the_napkin_formula(model):
     want = sharding.moe_comm_bytes(model.config, Tb, 4, "allgather", dtype_bytes=4)
     for i in (0, 3):  # a GDN layer and an attention layer
         prog, leaves = engine._run.layers[i]
-        hlo = prog.lower(leaves, h, engine.cache.layers[i], batch, backend="xla").compile().as_text()
+        idx = engine._run.indices[i]
+        hlo = prog.lower(leaves, idx, h, engine.cache.pool, batch, backend="xla").compile().as_text()
         got = sharding.hlo_collective_bytes(hlo)
         assert got["all-gather"] == want["all_gather_tokens"] + want["all_gather_routing"], (i, got, want)
         assert got["reduce-scatter"] == want["reduce_scatter"] and got["total"] == want["total"], (i, got, want)
@@ -215,7 +216,7 @@ def test_pallas_backend_on_a_mesh():
 
 def test_step_memory_from_shapes_alone():
     """`qwen35.serving.plan.step_memory` compiles the engine's own step from shapes: its per-device cache bytes
-    equal the engine's allocator arithmetic (pages of every attention layer, slots of every GDN layer, for
+    equal the engine's allocator arithmetic (the pool's blocks: pages and GDN states, for
     concurrency / 8 sequences on the DP layout and all of them on the replicated one), its weights the model's
     bytes with the experts split 8 ways; replicating attention multiplies the cache by 8."""
     from qwen35.serving.plan import step_memory
@@ -226,13 +227,11 @@ def test_step_memory_from_shapes_alone():
     plans = {lay: step_memory(cfg, mesh, concurrency=C, context=ctx, block_size=bs, layout=lay,
                               param_dtype=np.float32, fp8_experts=False) for lay in ("dp", "replicated")}
     kv_page = bs * 2 * cfg.num_key_value_heads * cfg.head_dim * 4  # one layer's K and V page, float32
-    slot = cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * 4 + (
-        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4)
     for lay, seqs in (("dp", C // 8), ("replicated", C)):
         p = plans[lay]
-        blocks = seqs * -(-ctx // bs) + 1
+        blocks = seqs * (-(-ctx // bs) + STATE[bs]) + 1  # pages and GDN state blocks, plus the scratch block
         assert p["num_blocks"] == blocks and p["seqs_per_cache"] == seqs
-        assert p["cache"] == cfg.num_full_layers * blocks * kv_page + cfg.num_linear_layers * (seqs + 1) * slot
+        assert p["cache"] == blocks * cfg.num_full_layers * kv_page  # a block: one page of every attention layer
     model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
     experts = sum(layer.mlp.experts.gate_up_proj[...].nbytes + layer.mlp.experts.down_proj[...].nbytes
                   for layer in model.model.layers)

@@ -1,25 +1,44 @@
-"""The serving cache: paged K/V for the attention layers, recycled state slots for the Gated DeltaNet layers.
+"""The serving cache: one pool of equal-sized blocks per device, holding both the attention layers' K/V pages and
+the Gated DeltaNet layers' states.
 
-Layout (one `PagedHybridCache`, a pytree the jitted step reads and writes in place):
+Why one pool: a hybrid model's sequence needs two kinds of memory, KV that grows with its context and a GDN
+state of fixed size. Two fixed pools (pages, and one state slot per possible sequence) strand memory whenever the
+workload's mix differs from the one they were sized for: many short requests run out of state slots with pages
+free; a few long ones run out of pages with slots free. With one pool, a block is a page or a piece of a state,
+whichever the running sequences need (vLLM's hybrid allocator does the same for Mamba-style layers).
 
-    layers[i]  attention layer:  KVCache(k, v),     k, v  [num_pages, page_size, Hkv, Dh]   (activation dtype)
-               GDN layer:        GDNState(conv, recurrent),
-                                                    conv       [num_slots, conv_dim, Kc]    (activation dtype)
-                                                    recurrent  [num_slots, Hv, Dk, Dv]      (float32)
+Layout (`PagedHybridCache.pool`, per device; with the engine on a mesh every rank's pool is a slice of a leading
+[ranks] axis):
 
-Page 0 and slot `num_slots - 1` are scratch: the padding tokens and padding sequences of a bucketed step write
-there, so real pages are 1 .. num_pages - 1 and real slots 0 .. num_slots - 2. A sequence owns a block table (the
-list of its pages, logical page j holds tokens j·page_size .. (j+1)·page_size - 1) and one slot index, used by
-every GDN layer. Pages are allocated as the sequence grows and all freed, with the slot, when it finishes or is
-preempted.
+    pool [2·A, num_blocks, page_size·Hkv·Dh]   (A = attention layers; stored as unsigned integers of the cache
+                                               dtype's width: uint16 for bfloat16, uint32 for float32)
 
-Bytes per sequence (what `layout_bytes` returns; `Qwen35Config.cache_bytes_per_sequence` is the same napkin math):
-  KV    = ceil(tokens / page_size) · page_size · n_attention_layers · 2 · Hkv · Dh · bytes(dtype)   grows with context,
-          wasting at most page_size - 1 tokens' worth in the last page
-  GDN   = n_gdn_layers · (conv_dim · Kc · bytes(dtype) + Hv · Dk · Dv · 4)                          fixed per sequence
-For the 397B model in bf16 at 8K + 1K tokens: KV 15 layers · 2 · 2 · 256 · 2 B = 30 KiB/token → 270 MiB; GDN
-45 · (12,288 · 4 · 2 + 64 · 128 · 128 · 4) B ≈ 184 MiB, fixed: the GDN state is why hybrid models serve long
-contexts cheaply, and also why a slot costs as much as ~6.3K tokens of KV.
+  * block b is column b: 2·A *units* of page_size·Hkv·Dh elements each, one K and one V page for every attention
+    layer. Attention layer i's K pages are pool[2i] and its V pages pool[2i + 1], each a free view
+    [num_blocks, page_size, Hkv, Dh]: a page id means the same block in every attention layer, as before.
+  * a GDN state takes `state_blocks` whole blocks (a list of block ids, not necessarily adjacent). Its units,
+    numbered u = 0, 1, ... across its blocks (unit u is pool[u mod 2A, blocks[u div 2A]]), hold every GDN layer's
+    state in turn: layer j's recurrent state (Hv·Dk·Dv float32; in a 16-bit pool each float32 is stored as two
+    16-bit halves) then its conv state (conv_dim·Kc in the cache dtype), each rounded up to whole units, so every
+    layer reads and writes whole units and never another layer's.
+  * the pool holds bits, not numbers: K/V and states are bitcast in and out, so a float32 state survives a trip
+    through 16-bit storage bit for bit. (Moving bfloat16 *values* is not safe for that: XLA:CPU computes bf16
+    copies, pads and scatters through float32 and flushes the subnormal halves of a float32 to zero.)
+  * block 0 is scratch: the padding tokens of a bucketed step write their K/V there. Padding rows' GDN states
+    are addressed at `NO_BLOCK`, outside the pool: they read zeros and their writes are dropped.
+
+A sequence holds its pages (grown as it runs) and its state blocks (taken when it is admitted); all return to the
+free list together when it finishes or is preempted.
+
+Bytes (`layout_bytes`; `Qwen35Config.cache_bytes_per_sequence` is the same napkin math without the rounding):
+  block = 2 · A · page_size · Hkv · Dh · bytes(dtype)           one page of every attention layer
+  KV    = ceil(tokens / page_size) blocks                       grows with context (the last page part-used)
+  GDN   = state_blocks blocks                                    fixed per sequence
+The GDN state is rounded up twice (each layer's parts to whole units, the whole state to whole blocks): that is the
+padding the shared pool costs. For the 397B model in bf16 with 256-token pages a block is 7.5 MiB (15 attention
+layers) and a state 184.2 MiB of data in 26 blocks (195 MiB: 5.9% padding, mostly each layer's 96 KiB conv state
+rounded up to a 256 KiB unit); with 16-token pages it fills 393 blocks exactly. For the tiny preset in float32 with
+16-token pages a state is 51 KiB of data in 5 blocks of 16 KiB (see `layout_bytes`, and notebook 09).
 """
 
 from __future__ import annotations
@@ -30,32 +49,104 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from qwen35.attention import KVCache
-from qwen35.config import LINEAR, Qwen35Config
-from qwen35.gdn import GDNState
+from qwen35.config import Qwen35Config
 
-__all__ = ["CacheFullError", "BlockAllocator", "SlotAllocator", "PagedHybridCache", "init_paged_cache",
-           "layout_bytes", "SCRATCH_PAGE"]
+__all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "PagedHybridCache", "init_paged_cache",
+           "read_state", "write_state", "to_pool", "from_pool", "pool_dtype", "layout_bytes", "SCRATCH_PAGE",
+           "NO_BLOCK"]
 
 SCRATCH_PAGE = 0
+NO_BLOCK = np.iinfo(np.int32).max  # the state block of a padding row: outside every pool (reads 0, writes dropped)
+
+
+_STORAGE = {jnp.dtype(jnp.float32): jnp.dtype(jnp.uint32), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
+_VALUES = {v: k for k, v in _STORAGE.items()}
+
+
+def _storage(dtype) -> jnp.dtype:
+    try:
+        return _STORAGE[jnp.dtype(dtype)]
+    except KeyError:
+        raise ValueError(f"the cache dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}") from None
+
+
+def pool_dtype(pool: jax.Array) -> jnp.dtype:
+    """The cache dtype whose bits `pool` stores (float32 or bfloat16)."""
+    return _VALUES[jnp.dtype(pool.dtype)]
+
+
+def to_pool(x: jax.Array, pool: jax.Array) -> jax.Array:
+    """x as `pool` stores it: cast to the cache dtype, then its bits."""
+    return jax.lax.bitcast_convert_type(x.astype(pool_dtype(pool)), pool.dtype)
+
+
+def from_pool(bits: jax.Array, pool: jax.Array) -> jax.Array:
+    """Bits read from `pool` as values of the cache dtype."""
+    return jax.lax.bitcast_convert_type(bits, pool_dtype(pool))
 
 
 class CacheFullError(RuntimeError):
-    """Not enough free pages (the scheduler catches it and preempts)."""
+    """Not enough free blocks (the scheduler catches it and preempts)."""
+
+
+class PoolLayout(NamedTuple):
+    """Where everything lives in the pool (see the module docstring); sizes in pool elements."""
+
+    attention_layers: int  # A: the pool has 2A units per block
+    gdn_layers: int
+    page_size: int
+    unit: int              # elements of one unit: page_size · Hkv · Dh (one K or V page of one attention layer)
+    rec_units: int         # units of one GDN layer's recurrent state
+    conv_units: int        # units of one GDN layer's conv state
+    rec_elems: int         # pool elements of one recurrent state (Hv·Dk·Dv float32, times 2 in a 16-bit pool)
+    conv_elems: int        # pool elements of one conv state
+    state_blocks: int      # blocks one sequence's GDN state takes
+
+    @property
+    def units_per_block(self) -> int:
+        return 2 * self.attention_layers
+
+    @property
+    def layer_units(self) -> int:
+        return self.rec_units + self.conv_units
+
+
+def pool_layout(config: Qwen35Config, page_size: int, dtype) -> PoolLayout:
+    """The pool's geometry for `config` with `page_size`-token pages in `dtype` (float32 or bfloat16)."""
+    c = config
+    A, n_gdn = c.num_full_layers, c.num_linear_layers
+    if A == 0:
+        raise ValueError("the unified cache pool sizes its blocks by the attention layers' pages; this config has "
+                         "no full-attention layer (layer_types), so it has nothing to page")
+    if page_size < 1:
+        raise ValueError(f"page_size (block_size) must be >= 1, got {page_size}")
+    size = _storage(dtype).itemsize
+    unit = page_size * c.num_key_value_heads * c.head_dim
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * (4 // size)
+    conv = c.linear_conv_dim * c.linear_conv_kernel_dim
+    rec_u, conv_u = -(-rec // unit), -(-conv // unit)
+    blocks = -(-n_gdn * (rec_u + conv_u) // (2 * A))
+    return PoolLayout(A, n_gdn, page_size, unit, rec_u, conv_u, rec, conv, blocks)
 
 
 class BlockAllocator:
-    """A free list of KV pages and one block table per sequence. Page 0 is scratch and never handed out."""
+    """One free list of pool blocks for both kinds of memory: each sequence's block table (its KV pages, grown as
+    it runs) and its GDN state blocks (`state_blocks` of them, taken when it is admitted). Block 0 is scratch and
+    never handed out."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, state_blocks: int = 0):
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (page 0 is scratch), got {num_blocks}")
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is scratch), got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if state_blocks < 0:
+            raise ValueError(f"state_blocks must be >= 0, got {state_blocks}")
+        self.num_blocks, self.block_size, self.state_blocks = num_blocks, block_size, state_blocks
         self.free_blocks: deque[int] = deque(range(1, num_blocks))
-        self.tables: dict[int, list[int]] = {}
+        self.tables: dict[int, list[int]] = {}  # seq_id -> KV pages
+        self.states: dict[int, list[int]] = {}  # seq_id -> GDN state blocks
 
     @property
     def num_free(self) -> int:
@@ -63,6 +154,7 @@ class BlockAllocator:
 
     @property
     def capacity_tokens(self) -> int:
+        """Tokens of KV the pool holds with no GDN state in it."""
         return (self.num_blocks - 1) * self.block_size
 
     def blocks_needed(self, seq_id: int, num_tokens: int) -> int:
@@ -73,89 +165,117 @@ class BlockAllocator:
     def can_allocate(self, seq_id: int, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free
 
+    def can_admit(self, seq_id: int, num_tokens: int) -> bool:
+        """Whether a new sequence fits: its GDN state blocks plus the pages of its first `num_tokens` tokens."""
+        state = 0 if seq_id in self.states else self.state_blocks
+        return state + self.blocks_needed(seq_id, num_tokens) <= self.num_free
+
     def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
         """Grow the block table of `seq_id` to cover `num_tokens` tokens; returns the table."""
         n = self.blocks_needed(seq_id, num_tokens)
         if n > self.num_free:
-            raise CacheFullError(f"sequence {seq_id} needs {n} more pages, {self.num_free} free")
+            raise CacheFullError(f"sequence {seq_id} needs {n} more blocks, {self.num_free} free")
         table = self.tables.setdefault(seq_id, [])
         table.extend(self.free_blocks.popleft() for _ in range(n))
         return table
 
+    def allocate_state(self, seq_id: int) -> list[int]:
+        """The GDN state blocks of `seq_id` (taken on the first call)."""
+        if seq_id not in self.states:
+            if self.state_blocks > self.num_free:
+                raise CacheFullError(f"sequence {seq_id} needs {self.state_blocks} blocks for its GDN state, "
+                                     f"{self.num_free} free")
+            self.states[seq_id] = [self.free_blocks.popleft() for _ in range(self.state_blocks)]
+        return self.states[seq_id]
+
     def free(self, seq_id: int) -> None:
+        """Return every block of `seq_id` (pages and state) to the free list."""
         self.free_blocks.extend(self.tables.pop(seq_id, ()))
-
-
-class SlotAllocator:
-    """A free list of GDN state slots; slot `num_slots - 1` is scratch (padding rows) and never handed out."""
-
-    def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise ValueError(f"num_slots must be >= 2 (one is scratch), got {num_slots}")
-        self.num_slots = num_slots
-        self.scratch = num_slots - 1
-        self.free_slots: deque[int] = deque(range(num_slots - 1))
-        self.owner: dict[int, int] = {}  # seq_id -> slot
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_slots)
-
-    def allocate(self, seq_id: int) -> int:
-        if seq_id in self.owner:
-            return self.owner[seq_id]
-        if not self.free_slots:
-            raise CacheFullError(f"no free GDN state slot for sequence {seq_id}")
-        self.owner[seq_id] = slot = self.free_slots.popleft()
-        return slot
-
-    def free(self, seq_id: int) -> None:
-        if seq_id in self.owner:
-            self.free_slots.append(self.owner.pop(seq_id))
+        self.free_blocks.extend(self.states.pop(seq_id, ()))
 
 
 class PagedHybridCache(NamedTuple):
-    """`layers[i]`: `KVCache` of pages (attention) or `GDNState` of slots (GDN); see the module docstring."""
+    """`pool`: the one array of the serving cache (see the module docstring)."""
 
-    layers: tuple
+    pool: jax.Array
 
     def nbytes(self) -> int:
-        return int(sum(x.nbytes for x in jax.tree.leaves(self.layers)))
+        return int(self.pool.nbytes)
 
 
-def init_paged_cache(config: Qwen35Config, num_pages: int, page_size: int, num_slots: int, dtype=jnp.float32, *,
+def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtype=jnp.float32, *,
                      ranks: int | None = None, sharding=None) -> PagedHybridCache:
-    """Zeros: K/V pages for every attention layer, conv + recurrent slots for every GDN layer.
+    """A zero pool of `num_blocks` blocks of `page_size`-token pages (`pool_layout`).
 
-    With `ranks` (the engine on a mesh), every array gets a leading [ranks] axis: rank r's own pages and slots,
-    numbered from 0 as on one device. `sharding` (a `NamedSharding` splitting that axis) creates each rank's share
-    on its own device, so no device ever holds another rank's cache."""
-    c = config
-    lead = () if ranks is None else (ranks,)
+    With `ranks` (the engine on a mesh), the pool gets a leading [ranks] axis: rank r's own blocks, numbered from 0
+    as on one device. `sharding` (a `NamedSharding` splitting that axis) creates each rank's share on its own
+    device, so no device ever holds another rank's cache."""
+    lay = pool_layout(config, page_size, dtype)
+    shape = (() if ranks is None else (ranks,)) + (lay.units_per_block, num_blocks, lay.unit)
 
     def make():
-        layers = []
-        for kind in c.layer_types:
-            if kind == LINEAR:
-                layers.append(GDNState(
-                    conv=jnp.zeros(lead + (num_slots, c.linear_conv_dim, c.linear_conv_kernel_dim), dtype),
-                    recurrent=jnp.zeros(lead + (num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                                                c.linear_value_head_dim), jnp.float32)))
-            else:
-                shape = lead + (num_pages, page_size, c.num_key_value_heads, c.head_dim)
-                layers.append(KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)))
-        return PagedHybridCache(tuple(layers))
+        return PagedHybridCache(jnp.zeros(shape, _storage(dtype)))
 
     return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
+def _layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
+    unit = pool.shape[-1]
+    return pool_layout(config, unit // (config.num_key_value_heads * config.head_dim), pool_dtype(pool))
+
+
+def _state_units(lay: PoolLayout, j, blocks: jax.Array):
+    """(unit index within a block [U], block id [R, U]) of GDN layer j's units for rows with state blocks
+    `blocks` [R, state_blocks]; j may be traced (one program serves every GDN layer)."""
+    u = j * lay.layer_units + jnp.arange(lay.layer_units)
+    return u % lay.units_per_block, jnp.take(blocks, u // lay.units_per_block, axis=1)
+
+
+def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype):
+    """GDN layer j's (conv [R, conv_dim, Kc] in conv_dtype, recurrent [R, Hv, Dk, Dv] float32) for rows with state
+    blocks `blocks` [R, state_blocks] (rows at `NO_BLOCK` read zeros). Reads only that layer's units."""
+    c, lay = config, _layout_of(config, pool)
+    R = blocks.shape[0]
+    which, ids = _state_units(lay, j, blocks)
+    flat = pool.at[which[None, :], ids].get(mode="fill", fill_value=0).reshape(R, lay.layer_units * lay.unit)
+    rec = flat[:, :lay.rec_elems]
+    if pool.dtype.itemsize == 2:  # float32 stored as pairs of 16-bit halves
+        rec = rec.reshape(R, -1, 2)
+    rec = jax.lax.bitcast_convert_type(rec, jnp.float32)
+    rec = rec.reshape(R, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+    at = lay.rec_units * lay.unit
+    conv = from_pool(flat[:, at:at + lay.conv_elems], pool).reshape(R, c.linear_conv_dim, c.linear_conv_kernel_dim)
+    return conv.astype(conv_dtype), rec
+
+
+def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,
+                rec: jax.Array) -> jax.Array:
+    """The pool with GDN layer j's states of rows `blocks` [R, state_blocks] replaced by conv and rec (writes of
+    rows at `NO_BLOCK` are dropped). Writes only that layer's units."""
+    lay = _layout_of(config, pool)
+    R = blocks.shape[0]
+    rec = jax.lax.bitcast_convert_type(rec.astype(jnp.float32).reshape(R, -1), pool.dtype).reshape(R, -1)
+    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n * lay.unit - x.shape[1])))  # noqa: E731
+    flat = jnp.concatenate([pad(rec, lay.rec_units), pad(to_pool(conv, pool).reshape(R, -1), lay.conv_units)],
+                           axis=1)
+    which, ids = _state_units(lay, j, blocks)
+    return pool.at[which[None, :], ids].set(flat.reshape(R, lay.layer_units, lay.unit), mode="drop")
+
+
 def layout_bytes(config: Qwen35Config, num_tokens: int, page_size: int, dtype_bytes: int = 2) -> dict:
-    """Bytes one sequence of `num_tokens` tokens holds in this layout (KV rounded up to whole pages)."""
+    """Bytes one sequence of `num_tokens` tokens holds in the pool: its pages (the last one part-used) and its GDN
+    state blocks, with the padding of each."""
     c = config
+    if dtype_bytes not in (2, 4):
+        raise ValueError(f"dtype_bytes must be 2 (bfloat16) or 4 (float32), got {dtype_bytes}")
+    lay = pool_layout(c, page_size, {2: jnp.bfloat16, 4: jnp.float32}[dtype_bytes])
+    block = lay.units_per_block * lay.unit * dtype_bytes
     pages = math.ceil(num_tokens / page_size)
-    kv_page = page_size * c.num_full_layers * 2 * c.num_key_value_heads * c.head_dim * dtype_bytes
     conv = c.num_linear_layers * c.linear_conv_dim * c.linear_conv_kernel_dim * dtype_bytes
     rec = c.num_linear_layers * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    return {"pages": pages, "kv_bytes_per_page": kv_page, "kv_bytes": pages * kv_page,
-            "kv_waste_bytes": (pages * page_size - num_tokens) * kv_page // page_size,
-            "gdn_conv_bytes": conv, "gdn_recurrent_bytes": rec, "total": pages * kv_page + conv + rec}
+    state = lay.state_blocks * block
+    return {"block_bytes": block, "pages": pages, "kv_bytes_per_page": block, "kv_bytes": pages * block,
+            "kv_waste_bytes": (pages * page_size - num_tokens) * block // page_size,
+            "state_blocks": lay.state_blocks, "gdn_conv_bytes": conv, "gdn_recurrent_bytes": rec,
+            "gdn_state_bytes": state, "gdn_waste_bytes": state - conv - rec,
+            "total": pages * block + state}

@@ -8,8 +8,8 @@
 
 Each `step()` asks the scheduler for the next batch (`scheduler.py`), packs it into bucketed arrays (`StepBatch`),
 runs the jitted step (`runner.py`) and appends the sampled tokens. On a mesh (`Engine(model, mesh=...)`, or a
-model from `qwen35.sharding.shard_model`) every device is a data-parallel rank with its own scheduler, pages and
-GDN slots; a step stacks every rank's batch into one [dp, ...] array and runs one program over the mesh
+model from `qwen35.sharding.shard_model`) every device is a data-parallel rank with its own scheduler and pool of
+cache blocks; a step stacks every rank's batch into one [dp, ...] array and runs one program over the mesh
 (`runner.DataParallel`). A bad request (empty, too long, ids outside
 the vocabulary, max_tokens < 1) raises `ValueError` from `add_request` and never reaches the batch; `generate`
 turns that into an `error` on that request's output while the others run.
@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from qwen35.serving.cache import BlockAllocator, SlotAllocator, init_paged_cache
+from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_layout
 from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch, padding_batch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
@@ -107,13 +107,13 @@ def _block_len(n: int) -> int:
 
 
 class Rank:
-    """One data-parallel rank's host state: its pages, GDN slots and scheduler, and the tokens in flight on it
-    (prompt + max_tokens of its unfinished requests: what a new request's placement balances)."""
+    """One data-parallel rank's host state: its pool's blocks (KV pages and GDN states) and scheduler, and the
+    tokens in flight on it (prompt + max_tokens of its unfinished requests: what a new request's placement
+    balances)."""
 
-    def __init__(self, max_num_seqs, max_num_batched_tokens, num_blocks, block_size, chunked):
-        self.blocks = BlockAllocator(num_blocks, block_size)
-        self.slots = SlotAllocator(max_num_seqs + 1)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, self.slots, chunked)
+    def __init__(self, max_num_seqs, max_num_batched_tokens, num_blocks, block_size, state_blocks, chunked):
+        self.blocks = BlockAllocator(num_blocks, block_size, state_blocks)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, chunked)
         self.load = 0
 
     def add(self, req: Request) -> None:
@@ -170,10 +170,11 @@ def data_parallel(model, mesh=None):
 class Engine:
     """Continuous-batching engine over `model` (a `Qwen35ForCausalLM`, sharded or not).
 
-    max_num_seqs: sequences running at once (also the number of GDN state slots, plus one scratch).
+    max_num_seqs: sequences running at once.
     max_num_batched_tokens: tokens per step (prefill chunks + decode tokens).
-    block_size: tokens per KV page. num_blocks: pages (default: enough for max_num_seqs full-length sequences;
-      plus one scratch page). max_model_len: longest sequence (prompt + output), default
+    block_size: tokens per KV page. num_blocks: blocks of the cache pool, each one page of every attention layer
+      or a piece of a GDN state (`qwen35.serving.cache`; default: enough for max_num_seqs full-length sequences
+      and their states, plus one scratch block). max_model_len: longest sequence (prompt + output), default
       min(max_position_embeddings, 4096).
     enable_chunked_prefill: split long prompts across steps (mixed with decodes) instead of prefilling whole.
     tokenizer: anything with encode/decode for string prompts (default: `ByteTokenizer` if the vocab has >= 256).
@@ -186,7 +187,7 @@ class Engine:
     mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
       `qwen35.sharding.shard_model` / `load_sharded`, else one device). Every device on the mesh's "batch" axes
       (all of `make_mesh(expert=8)`'s 8, or `make_mesh(data=2, expert=4)`'s) is a data-parallel rank with its own
-      scheduler, block allocator, GDN slots and share of the paged cache; the experts stay split as the model's
+      scheduler, block allocator and share of the cache pool; the experts stay split as the model's
       rules place them (an unsharded model is sharded with `shard_model`, or replicated on a mesh with no expert
       axis). max_num_seqs, max_num_batched_tokens and num_blocks are then *per rank* (as for vLLM's data-parallel
       engines): `Engine(smodel, max_num_seqs=64)` on 8 devices serves 512 sequences. A new request goes to the rank
@@ -211,12 +212,17 @@ class Engine:
         model, self.dp = data_parallel(model, mesh)
         self.model, self.config = model, c
         self.max_num_seqs, self.max_num_batched_tokens, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
+        cache_dtype = cache_dtype or model.dtype
+        self.layout = pool_layout(c, block_size, cache_dtype)
         if num_blocks is None:
-            num_blocks = max_num_seqs * math.ceil(self.max_model_len / block_size) + 1
+            num_blocks = max_num_seqs * (math.ceil(self.max_model_len / block_size) + self.layout.state_blocks) + 1
+        if num_blocks < self.layout.state_blocks + 2:
+            raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence: its GDN state takes "
+                             f"{self.layout.state_blocks} blocks, plus a page and the scratch block; raise num_blocks")
         self.num_blocks = num_blocks
         self.chunked = enable_chunked_prefill
-        self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, enable_chunked_prefill)
-                      for _ in range(self.num_ranks)]
+        self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, self.layout.state_blocks,
+                           enable_chunked_prefill) for _ in range(self.num_ranks)]
         self.min_batch_rows, self.min_page_width = min_batch_rows, min_page_width
         self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)  # the most rows a step can have
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
@@ -225,7 +231,7 @@ class Engine:
         # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
         self.fused = (jax.default_backend() != "cpu") if fused is None else fused
         self._run = FusedStep(model, self.dp) if self.fused else LayerwiseStep(model, self.dp)
-        self.cache = init_paged_cache(c, num_blocks, block_size, max_num_seqs + 1, cache_dtype or model.dtype,
+        self.cache = init_paged_cache(c, num_blocks, block_size, cache_dtype,
                                       ranks=None if self.dp is None else self.dp.size,
                                       sharding=None if self.dp is None else self.dp.sharding())
         self.backend = c.backend
@@ -247,10 +253,6 @@ class Engine:
     @property
     def blocks(self) -> BlockAllocator:
         return self.ranks[0].blocks
-
-    @property
-    def slots(self) -> SlotAllocator:
-        return self.ranks[0].slots
 
     @property
     def scheduler(self) -> Scheduler:
@@ -293,9 +295,10 @@ class Engine:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {L} (it needs room for at "
                              f"least one output token); shorten it or build the Engine with a larger max_model_len")
         need = min(len(ids) + params.max_tokens, L)
-        if need > self.blocks.capacity_tokens:
-            raise ValueError(f"prompt + max_tokens = {need} tokens exceed the whole KV cache "
-                             f"({self.blocks.capacity_tokens} tokens); lower max_tokens or raise num_blocks")
+        room = (self.num_blocks - 1 - self.layout.state_blocks) * self.block_size
+        if need > room:
+            raise ValueError(f"prompt + max_tokens = {need} tokens exceed the whole cache pool ({room} tokens of KV "
+                             f"beside the sequence's GDN state); lower max_tokens or raise num_blocks")
         if not self.chunked and len(ids) > self.max_num_batched_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
                              f"{self.max_num_batched_tokens} with chunked prefill off; enable it or raise the budget")
@@ -358,14 +361,14 @@ class Engine:
         `shape` (default: `step_shape(sched)`; on a mesh, the largest over the ranks, so every rank's arrays stack
         into one [dp, ...] batch)."""
         bs = self.block_size
-        blocks, slot_alloc = self.ranks[rank].blocks, self.ranks[rank].slots
+        blocks = self.ranks[rank].blocks
         q_lens = [n for _, n in sched]
         S, T = len(sched), sum(q_lens)
         pf = [s for s, n in enumerate(q_lens) if n > 1]
         Sb, P, Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
-        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, scratch_slot=slot_alloc.scratch, page_size=bs)  # filled below
+        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=self.layout.state_blocks, page_size=bs)  # filled below
         ns = np.asarray(q_lens, np.int64)
         starts = np.fromiter((r.num_computed for r, _ in sched), np.int64, S)
         offs = np.zeros(S + 1, np.int64)
@@ -393,7 +396,8 @@ class Engine:
         b.kv_lens[:S] = starts + ns
         b.num_seqs[0] = S
         b.last_idx[:S] = offs[1:] - 1
-        b.slots[:S] = [slot_alloc.owner[id(r)] for r, _ in sched]
+        if S and self.layout.state_blocks:
+            b.state_blocks[:S] = [blocks.states[id(r)] for r, _ in sched]
         b.fresh[:S] = starts == 0
         for j, s in enumerate(pf):
             a, n = offs[s], q_lens[s]

@@ -12,7 +12,7 @@ the sum over layers of their arguments plus the largest scratch (temp) space any
 
 Two layouts of the same `concurrency` sequences on the same devices:
   "dp"          the engine on the mesh: each device one data-parallel rank with concurrency / n sequences (its own
-                pages and slots), experts split by expert parallelism;
+                pool of pages and GDN states), experts split by expert parallelism;
   "replicated"  attention not data-parallel: one engine whose cache holds every sequence, placed on every device
                 (what the engine did before it ran on a mesh), experts split the same way.
 """
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.serving.cache import init_paged_cache
+from qwen35.serving.cache import init_paged_cache, pool_layout
 from qwen35.serving.engine import _page_width, _pow2
-from qwen35.serving.runner import DataParallel, LayerwiseStep, padding_batch
+from qwen35.serving.runner import DataParallel, LayerwiseStep, layer_indices, padding_batch
 
 __all__ = ["step_memory", "LAYOUTS"]
 
@@ -41,8 +41,8 @@ def _sds(tree, sharding):
 def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int = 256, layout: str = "dp",
                 param_dtype=jnp.bfloat16, fp8_experts: bool = True, moe_impl: str = "sorted") -> dict:
     """Per-device bytes of the engine's decode step for `config` on `mesh` at `concurrency` sequences of `context`
-    tokens (the paged cache sized as the engine's allocator sizes it: ceil(context / block_size) pages per
-    sequence plus the scratch page, one GDN slot per sequence plus the scratch slot), compiled from shapes alone.
+    tokens (the cache pool sized as the engine sizes it: per sequence ceil(context / block_size) pages plus its
+    GDN state blocks, plus the scratch block), compiled from shapes alone.
 
     Returns {"layout", "devices", "seqs_per_cache", "num_blocks", "weights", "cache", "temp", "total"} in bytes
     per device (weights and cache: the compiled programs' argument bytes; temp: the largest scratch of any one
@@ -64,7 +64,8 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
                               f"multiple of {ranks}")
     seqs = concurrency // ranks
     pages_per_seq = -(-context // block_size)
-    num_blocks = seqs * pages_per_seq + 1
+    pool = pool_layout(config, block_size, param_dtype)
+    num_blocks = seqs * (pages_per_seq + pool.state_blocks) + 1
 
     model = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
     graphdef, state = nnx.split(model)
@@ -82,11 +83,11 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
         where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     dtype = jnp.dtype(param_dtype)
-    cache = jax.eval_shape(lambda: init_paged_cache(config, num_blocks, block_size, seqs + 1, dtype,
+    cache = jax.eval_shape(lambda: init_paged_cache(config, num_blocks, block_size, dtype,
                                                     ranks=None if dp is None else ranks))
     cache = _sds(cache, where)
     Sb, P = _pow2(seqs, 1), _page_width(pages_per_seq)
-    batch = padding_batch(Sb, P, Sb, scratch_slot=seqs, page_size=block_size)  # a decode step: Tb = Sb
+    batch = padding_batch(Sb, P, Sb, state_blocks=pool.state_blocks, page_size=block_size)  # decode: Tb = Sb
     lead = () if dp is None else (ranks,)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(lead + a.shape, a.dtype, sharding=where), batch)
     h = jax.ShapeDtypeStruct(lead + (Sb, config.hidden_size), dtype, sharding=where)
@@ -111,15 +112,15 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
                 total += int(np.prod(a.sharding.shard_shape(a.shape))) * jnp.dtype(a.dtype).itemsize
         return total
 
-    weights = cache_bytes = 0
+    weights = 0
     embed, leaves = run.embed
     analyse("embed", embed, leaves, batch.tokens, dtype=dtype)
     weights += nbytes_per_device(leaves)
-    for i, ((prog, leaves), st) in enumerate(zip(run.layers, cache.layers)):
+    for i, ((prog, leaves), idx) in enumerate(zip(run.layers, layer_indices(model.model.layers))):
         kind = config.layer_types[i]
-        analyse(f"layer ({kind})", prog, leaves, h, st, batch, backend=config.backend)
+        analyse(f"layer ({kind})", prog, leaves, np.int32(idx), h, cache.pool, batch, backend=config.backend)
         weights += nbytes_per_device(leaves)
-        cache_bytes += nbytes_per_device(st)
+    cache_bytes = nbytes_per_device(cache.pool)  # one pool, read and written by every layer's program
     head, leaves = run.head
     analyse("head", head, leaves, h, batch, return_logits=False)
     weights += nbytes_per_device(leaves)

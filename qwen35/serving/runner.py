@@ -6,27 +6,31 @@ together — into `tokens [Tb]`, and runs the model's own modules on them: `Deco
 MoE), each mixer's own projections and output (`GatedAttention.project / output`, `GatedDeltaNet.project / gates
 / heads / output`) and the model's head (`output_logits`). What is the step's own is where the state lives:
 
-  attention mixer:  K/V scattered into the pages at `slot_mapping` (every token at its own position), then ragged
+  attention mixer:  K/V scattered into the layer's pages of the pool at `slot_mapping` (every token at its own position), then ragged
                     paged attention over the block tables (the Pallas kernel of `qwen35.kernels` when
                     `config.backend == "pallas"`, else `_paged_attention_rows`: the reference's result, computed
                     by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
                     continues a sequence, the context pages before it)
-  GDN mixer:        for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last token from the row's
-                    state slot (exact for rows with one token: decodes), and for the rows with several tokens
+  GDN mixer:        the rows' states read from their state blocks in the pool (`cache.read_state`: only this
+                    layer's units), for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
+                    token (exact for rows with one token: decodes), and for the rows with several tokens
                     (prefill chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`),
-                    `causal_conv1d` + `chunk_gated_delta_rule` from the row's slot state (padded steps have g = 0 and
+                    `causal_conv1d` + `chunk_gated_delta_rule` from the row's state (padded steps have g = 0 and
                     beta = 0: decay 1 and no write, so the state is untouched), the conv state taken from the last
                     Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
-                    starts from zero state, so recycled slots need no clearing. With `backend == "pallas"` the
+                    starts from zero state, so recycled blocks need no clearing. With `backend == "pallas"` the
                     decode rows go through `fused_gdn_decode` (conv, gates and step in one kernel) and the prefill
-                    block through `chunk_gated_delta_rule_pallas`; the rows' slots are gathered into a dense block
-                    before the kernels and scattered back after (the kernels take dense [B, ...] states).
+                    block through `chunk_gated_delta_rule_pallas`; the rows' states are gathered into a dense block
+                    before the kernels and written back after (the kernels take dense [B, ...] states).
   head:             only each sequence's last token, then `sample`.
   MoE on a mesh:    the routed experts' sum is handed in (`routed_fn`): the all-gather / reduce-scatter exchange
                     of `qwen35.sharding.moe_ep_local` inside the step's `shard_map` (see `DataParallel`).
 
 Shapes are bucketed (see `Engine.step_shape`), so a run compiles a handful of programs; padding tokens write to
-the scratch page and padding rows to the scratch slot (see `cache.py`).
+the scratch page and padding rows' states go nowhere (`NO_BLOCK`, see `cache.py`).
+
+Every layer program gets its index among the layers of its kind (`idx`: which units of the pool are its) as a
+traced argument, so the layers of one kind still share one compiled program.
 """
 
 from __future__ import annotations
@@ -41,12 +45,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from qwen35.attention import KVCache
 from qwen35.config import LINEAR
-from qwen35.gdn import (GDNState, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,
-                        gated_delta_rule_step)
+from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
 from qwen35.model import bind_program, output_logits
-from qwen35.serving.cache import SCRATCH_PAGE, PagedHybridCache
+from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, pool_dtype, read_state,
+                                  to_pool, write_state)
 from qwen35.serving.sampling import sample
 from qwen35.sharding import moe_ep_local
 
@@ -68,7 +71,7 @@ class StepBatch(NamedTuple):
     kv_lens: jax.Array       # [Sb] tokens in the cache after this step
     page_indices: jax.Array  # [Sb, P] block tables
     num_seqs: jax.Array      # [1]
-    slots: jax.Array         # [Sb] GDN state slot of each row
+    state_blocks: jax.Array  # [Sb, NS] the GDN state blocks of each row (NO_BLOCK for padding rows)
     fresh: jax.Array         # [Sb] bool: the row starts its sequence (zero GDN state)
     gather_idx: jax.Array    # [Sp, Lb] packed index of the j-th token of the p-th prefill row (rows with > 1 token)
     gather_valid: jax.Array  # [Sp, Lb] bool
@@ -88,16 +91,16 @@ class StepBatch(NamedTuple):
     counters: jax.Array      # [Sb] tokens generated so far (folds into the row's key)
 
 
-def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, scratch_slot: int = 0,
+def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, state_blocks: int = 0,
                   page_size: int = 1) -> StepBatch:
-    """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row the
-    scratch slot (`scratch_slot`), nothing is visible. `Engine.build_batch` starts from it and fills in the
+    """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row's
+    `state_blocks` state blocks are `NO_BLOCK` (read as zeros, writes dropped), nothing is visible. `Engine.build_batch` starts from it and fills in the
     scheduled rows; an idle rank runs it as it is beside busy ones; its arrays' shapes are what a step is compiled
     for from shapes alone (`qwen35.serving.plan`)."""
     z = lambda *shape, dtype=np.int32: np.zeros(shape, dtype)  # noqa: E731
     return StepBatch(tokens=z(Tb), positions=z(Tb), slot_mapping=np.full(Tb, SCRATCH_PAGE * page_size, np.int32),
                      cu_q_lens=z(Sb + 1), kv_lens=z(Sb), page_indices=np.full((Sb, P), SCRATCH_PAGE, np.int32),
-                     num_seqs=z(1), slots=np.full(Sb, scratch_slot, np.int32), fresh=z(Sb, dtype=bool),
+                     num_seqs=z(1), state_blocks=np.full((Sb, state_blocks), NO_BLOCK, np.int32), fresh=z(Sb, dtype=bool),
                      gather_idx=z(Sp, Lb), gather_valid=z(Sp, Lb, dtype=bool), pf_rows=np.full(Sp, Sb, np.int32),
                      ctx_pages=np.full((Sp, Pc), SCRATCH_PAGE, np.int32), tok_row=z(Tb), tok_pf=z(Tb, dtype=bool),
                      tok_prow=z(Tb), tok_col=z(Tb), last_idx=z(Sb), temperature=z(Sb, dtype=np.float32),
@@ -105,15 +108,16 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
 
 
 def attention_backend(backend: str):
-    """The step's ragged paged attention for `backend`, as `attend(q, k, v, k_pages, v_pages, batch) -> [Tb, Hq, D]`
-    (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages): the Pallas kernel for
-    "pallas" (it reads everything through the block tables), else `_paged_attention_rows` (the reference's result,
-    laid out by rows)."""
+    """The step's ragged paged attention for `backend`, as `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
+    (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
+    as [2A, num_blocks, page_size, Hkv, D], the layer's K pages at pages[ki] and V pages at pages[ki + 1]): the
+    Pallas kernel for "pallas" (it reads everything through the block tables, in place), else
+    `_paged_attention_rows` (the reference's result, laid out by rows)."""
     if backend == "pallas":
-        from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
+        from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_pool
 
-        return lambda q, k, v, kp, vp, b: ragged_paged_attention(q, kp, vp, b.kv_lens, b.page_indices, b.cu_q_lens,
-                                                                 b.num_seqs)
+        return lambda q, k, v, pages, ki, b: ragged_paged_attention_pool(
+            q, pages, ki, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, kv_dtype=pool_dtype(pages))
     return _paged_attention_rows
 
 
@@ -134,7 +138,7 @@ def _softmax_attend(spec: str, qg, k, v, mask, scale):
     return jnp.einsum(f"{qa}kgl,{ka}lkd->{qa}kgd", p / jnp.where(denom > 0, denom, 1.0), v)
 
 
-def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
+def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
     """Ragged paged attention for the XLA backend, by rows instead of by tokens: the same result as
     `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
     ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
@@ -147,15 +151,16 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
     L = P·page_size of the whole block table. When Pc·page_size + Lb would reach L anyway, the engine passes the
     whole table (Pc = P) and the chunk reads every key, its own included, from the pages."""
     T, Hq, D = q.shape
-    _, PS, Hkv, _ = k_pages.shape
+    _, _, PS, Hkv, _ = pool_pages.shape
     Sb, P = b.page_indices.shape
     G, L = Hq // Hkv, P * PS
     scale = D ** -0.5
+    kv_dtype = pool_dtype(pool_pages)
 
-    def pages(table):  # [R, P'] page ids -> K [R, P'·PS, Hkv, D] (stored dtype), V (float32)
+    def pages(table):  # [R, P'] page ids -> K [R, P'·PS, Hkv, D] (cache dtype), V (float32): gathers in the pool
         R, n = table.shape
-        return (k_pages[table].reshape(R, n * PS, Hkv, D),
-                v_pages[table].reshape(R, n * PS, Hkv, D).astype(jnp.float32))
+        return (from_pool(pool_pages[ki, table], pool_pages).reshape(R, n * PS, Hkv, D),
+                from_pool(pool_pages[ki + 1, table], pool_pages).reshape(R, n * PS, Hkv, D).astype(jnp.float32))
 
     k, v = pages(b.page_indices)
     qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
@@ -176,7 +181,7 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
             pos = start[:, None] + j[None, :]  # [Sp, Lb]
             mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
         else:
-            keys = k_new[b.gather_idx].astype(k_pages.dtype)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
+            keys = k_new[b.gather_idx].astype(kv_dtype)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
             vals = v_new[b.gather_idx].astype(jnp.float32)
             mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
             if Pc:  # a chunk that continues a sequence: its earlier tokens from the first Pc pages come first
@@ -189,31 +194,37 @@ def _paged_attention_rows(q, k_new, v_new, k_pages, v_pages, b: StepBatch):
     return o.reshape(T, Hq, D).astype(q.dtype)
 
 
-def _attention(attn, x, b: StepBatch, kv: KVCache, attend):
-    """The attention mixer on the packed tokens x [Tb, H]: the layer's own projections (`GatedAttention.project`,
-    every token at its own position), K/V scattered into the pages at `slot_mapping`, `attend` over the block
-    tables, the layer's own output gate and projection."""
+def _attention(attn, x, b: StepBatch, pool, i, attend):
+    """The attention mixer of attention layer i (of the model's attention layers) on the packed tokens x [Tb, H]:
+    the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
+    its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, `attend` over the block tables, the layer's own
+    output gate and projection."""
     q, k, v, gate = (t[0] for t in attn.project(x[None], b.positions))
-    NP, PS, Hkv, Dh = kv.k.shape
-    kp = kv.k.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(k.astype(kv.k.dtype)).reshape(kv.k.shape)
-    vp = kv.v.reshape(NP * PS, Hkv, Dh).at[b.slot_mapping].set(v.astype(kv.v.dtype)).reshape(kv.v.shape)
-    o = attend(q, k, v, kp, vp, b)  # [Tb, Hq, Dh]
-    return attn.output(o[None], gate[None], x.dtype)[0], KVCache(kp, vp)
+    C, NB, _ = pool.shape
+    Hkv, Dh = k.shape[1:]
+    PS = pool.shape[2] // (Hkv * Dh)
+    flat = pool.reshape(C, NB * PS, Hkv, Dh)  # free views of the pool: token slots, then pages
+    flat = flat.at[2 * i, b.slot_mapping].set(to_pool(k, pool)).at[2 * i + 1, b.slot_mapping].set(to_pool(v, pool))
+    pages = flat.reshape(C, NB, PS, Hkv, Dh)
+    o = attend(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
+    return attn.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)
 
 
-def _gdn(gdn, x, b: StepBatch, st: GDNState):
-    """The GDN mixer on the packed tokens x [Tb, H]: the layer's own projections, gates, heads and output
-    (`GatedDeltaNet.project / gates / heads / output`); what is the step's own is reading and writing the rows'
-    state slots and running the rules by rows (see the module docstring)."""
-    Sb = b.slots.shape[0]
+def _gdn(gdn, x, b: StepBatch, pool, j):
+    """The mixer of GDN layer j (of the model's GDN layers) on the packed tokens x [Tb, H]: the layer's own
+    projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
+    is reading and writing the rows' states in the pool and running the rules by rows (see the module
+    docstring)."""
+    Sb = b.state_blocks.shape[0]
     Sp, Lb = b.gather_idx.shape
     mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
     g, beta = gdn.gates(a, bb)
     w = gdn.conv1d.weight[...]
     Kc = w.shape[-1]
     fresh = b.fresh
-    conv0 = jnp.where(fresh[:, None, None], 0, st.conv[b.slots]).astype(x.dtype)  # [Sb, C, Kc]
-    rec0 = jnp.where(fresh[:, None, None, None], 0.0, st.recurrent[b.slots])  # [Sb, Hv, Dk, Dv]
+    conv_st, rec_st = read_state(gdn.config, pool, j, b.state_blocks, x.dtype)
+    conv0 = jnp.where(fresh[:, None, None], 0, conv_st)  # [Sb, C, Kc]
+    rec0 = jnp.where(fresh[:, None, None, None], 0.0, rec_st)  # [Sb, Hv, Dk, Dv] float32
 
     pallas = gdn.config.backend == "pallas"
     # Every row: the single-token rule on its last token (exact for the rows with one token this step; the
@@ -254,22 +265,30 @@ def _gdn(gdn, x, b: StepBatch, st: GDNState):
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(x.dtype)[b.tok_prow, b.tok_col], o)
-    new = GDNState(conv=st.conv.at[b.slots].set(conv_new.astype(st.conv.dtype)),
-                   recurrent=st.recurrent.at[b.slots].set(rec_new.astype(st.recurrent.dtype)))
-    return gdn.output(o, z), new
+    return gdn.output(o, z), write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 
-def _layer(layer, h, st, b: StepBatch, attend, routed_fn=None):
+def _layer(layer, h, pool, idx, b: StepBatch, attend, routed_fn=None):
     """One decoder layer on the packed tokens h [Tb, H]: the model's own `DecoderLayer` (norms, residuals, MoE),
-    its mixer run on the paged cache. `routed_fn`: how the MoE sums its routed experts (None: the block's own
-    path; on a mesh, the exchange)."""
-    def mix(mixer, x, state):
-        y, state = (_gdn(mixer, x[0], b, state) if layer.layer_type == LINEAR
-                    else _attention(mixer, x[0], b, state, attend))
-        return y[None], state
+    its mixer run on the cache pool as layer `idx` of its kind. `routed_fn`: how the MoE sums its routed experts
+    (None: the block's own path; on a mesh, the exchange)."""
+    def mix(mixer, x, pool):
+        y, pool = (_gdn(mixer, x[0], b, pool, idx) if layer.layer_type == LINEAR
+                   else _attention(mixer, x[0], b, pool, idx, attend))
+        return y[None], pool
 
-    h, st, _ = layer(h[None], st, None, mix=mix, routed_fn=routed_fn)
-    return h[0], st
+    h, pool, _ = layer(h[None], pool, None, mix=mix, routed_fn=routed_fn)
+    return h[0], pool
+
+
+def layer_indices(layers) -> list[int]:
+    """Each layer's index among the layers of its kind (GDN layers 0, 1, 2, ..., attention layers 0, 1, ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for layer in layers:
+        out.append(seen.get(layer.layer_type, 0))
+        seen[layer.layer_type] = out[-1] + 1
+    return out
 
 
 class HeadParams(nnx.Module):
@@ -298,11 +317,10 @@ def _sample(logits, b: StepBatch):
 def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
     """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code)."""
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
-    new_layers = []
-    for layer, st in zip(model.model.layers, cache.layers):
-        h, st = _layer(layer, h, st, b, attend, routed_fn)
-        new_layers.append(st)
-    return _head(HeadParams(model), h, b), PagedHybridCache(tuple(new_layers))
+    pool = cache.pool
+    for layer, idx in zip(model.model.layers, layer_indices(model.model.layers)):
+        h, pool = _layer(layer, h, pool, idx, b, attend, routed_fn)
+    return _head(HeadParams(model), h, b), PagedHybridCache(pool)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend", "return_logits"), donate_argnames=("cache",))
@@ -355,21 +373,22 @@ def _leaf_spec(a, dp: DataParallel) -> P:
     return P()
 
 
-def _on_ranks(fn, dp: DataParallel | None, specs):
+def _on_ranks(fn, dp: DataParallel | None, specs, shared: int = 0):
     """`fn(leaves, *args)` as run on every rank: without `dp`, `fn` itself; with it, a `shard_map` whose `args` and
     outputs carry the leading [dp] axis (each device sees [1, ...] and `fn` gets it squeezed) and whose parameter
-    leaves keep their own placement (`specs`: experts split, the rest replicated)."""
+    leaves keep their own placement (`specs`: experts split, the rest replicated). The first `shared` args are the
+    same on every rank (a layer's index) and have no [dp] axis."""
     if dp is None:
         return fn
     r = dp.spec()
 
     def body(leaves, *args):
-        out = fn(leaves, *jax.tree.map(lambda a: a[0], args))
+        out = fn(leaves, *args[:shared], *jax.tree.map(lambda a: a[0], args[shared:]))
         return jax.tree.map(lambda a: a[None], out)
 
     def run(leaves, *args):
-        return jax.shard_map(body, mesh=dp.mesh, in_specs=(list(specs),) + (r,) * len(args), out_specs=r,
-                             check_vma=False)(leaves, *args)
+        in_specs = (list(specs),) + (P(),) * shared + (r,) * (len(args) - shared)
+        return jax.shard_map(body, mesh=dp.mesh, in_specs=in_specs, out_specs=r, check_vma=False)(leaves, *args)
     return run
 
 
@@ -405,11 +424,11 @@ def _build_embed(merge, dp, specs):
 def _build_layer(merge, dp, specs):
     routed = None if dp is None else dp.routed_fn()
 
-    @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("st",))
-    def run(leaves, h, st, b, *, backend):
-        def local(leaves, h, st, b):
-            return _layer(merge(leaves), h, st, b, attention_backend(backend), routed)
-        return _on_ranks(local, dp, specs)(leaves, h, st, b)
+    @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("pool",))
+    def run(leaves, idx, h, pool, b, *, backend):
+        def local(leaves, idx, h, pool, b):
+            return _layer(merge(leaves), h, pool, idx, b, attention_backend(backend), routed)
+        return _on_ranks(local, dp, specs, shared=1)(leaves, idx, h, pool, b)
     return run
 
 
@@ -450,15 +469,15 @@ class LayerwiseStep:
         self.dtype = model.dtype
         self.embed = _program("embed", model.model.embed_tokens, dp)
         self.layers = [_program("layer", layer, dp) for layer in model.model.layers]
+        self.indices = [np.int32(i) for i in layer_indices(model.model.layers)]  # traced: one program a kind
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
         embed, leaves = self.embed
         h = embed(leaves, batch.tokens, dtype=self.dtype)
-        new = []
-        for (layer, leaves), st in zip(self.layers, cache.layers):
-            h, st = layer(leaves, h, st, batch, backend=backend)
-            new.append(st)
+        pool = cache.pool
+        for (layer, leaves), idx in zip(self.layers, self.indices):
+            h, pool = layer(leaves, idx, h, pool, batch, backend=backend)
         head, leaves = self.head
         toks, logits = head(leaves, h, batch, return_logits=return_logits)
-        return toks, logits, PagedHybridCache(tuple(new))
+        return toks, logits, PagedHybridCache(pool)

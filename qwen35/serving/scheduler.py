@@ -3,11 +3,12 @@
 Each step has a budget of `max_num_batched_tokens` tokens and at most `max_num_seqs` running sequences.
   1. Running requests first, oldest first: a decoding request takes 1 token, a request still in prefill takes the
      rest of its prompt, cut to the budget left (chunked prefill). Each needs pages for its new tokens; when the
-     free list is empty the newest running request is preempted — its pages and slot freed, its progress dropped,
-     and it goes back to the front of the queue to be recomputed (prompt + tokens generated so far) later. If the
-     request that needs the page is itself the newest, it preempts itself and the step stops there.
+     free list is empty the newest running request is preempted — its pages and GDN state blocks freed, its
+     progress dropped, and it goes back to the front of the queue to be recomputed (prompt + tokens generated so
+     far) later. If the request that needs the page is itself the newest, it preempts itself and the step stops there.
   2. Then, if nothing was preempted, waiting requests in arrival order (first come, first served) while budget,
-     sequence slots and pages last.
+     sequence places (max_num_seqs) and blocks last: a new request takes its GDN state blocks and the pages of
+     its first chunk from the same pool of blocks (`cache.BlockAllocator`).
 Prefill chunks and decode tokens thus share a step. With `enable_chunked_prefill=False` a prompt is admitted only
 when it fits the budget whole (a recomputation after preemption may still be chunked).
 
@@ -21,7 +22,7 @@ import bisect
 import dataclasses
 from collections import deque
 
-from qwen35.serving.cache import BlockAllocator, SlotAllocator
+from qwen35.serving.cache import BlockAllocator
 from qwen35.serving.sampling import SamplingParams
 
 __all__ = ["Request", "Scheduler", "WAITING", "RUNNING", "FINISHED"]
@@ -56,9 +57,9 @@ class Request:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockAllocator,
-                 slots: SlotAllocator, enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True):
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.blocks, self.slots, self.chunked = blocks, slots, enable_chunked_prefill
+        self.blocks, self.chunked = blocks, enable_chunked_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -70,8 +71,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, req: Request) -> None:
-        self.blocks.free(id(req))
-        self.slots.free(id(req))
+        self.blocks.free(id(req))  # its pages and its GDN state blocks
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -115,10 +115,10 @@ class Scheduler:
                 if not self.chunked and req.num_preemptions == 0:
                     break
                 n = budget
-            if not self.blocks.can_allocate(id(req), n) or self.slots.num_free == 0:
+            if not self.blocks.can_admit(id(req), n):  # its state blocks and first pages, from one pool
                 break
             self.waiting.popleft()
-            self.slots.allocate(id(req))
+            self.blocks.allocate_state(id(req))
             self.blocks.allocate(id(req), n)
             req.status = RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)  # running stays in arrival order
