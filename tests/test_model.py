@@ -165,5 +165,5 @@ def test_bf16_activations_stay_bf16_through_gdn(prompt):
     batch = jax.device_put(eng.build_batch(eng.scheduler.schedule()))  # a prefill row and a one-token row
     xs = jnp.asarray(np.random.default_rng(1).standard_normal((batch.tokens.shape[0], m.config.hidden_size)),
                      jnp.bfloat16)
-    ys, _ = _gdn(gdn, xs, batch, eng.cache.layers[0])
-    assert ys.dtype == jnp.bfloat16
+    ys, pool = _gdn(gdn, xs, batch, eng.cache.pool, 0)  # GDN layer 0 on the engine's cache pool
+    assert ys.dtype == jnp.bfloat16 and pool.dtype == jnp.uint16  # the pool keeps bf16's bits
