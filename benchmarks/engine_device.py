@@ -24,14 +24,14 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from qwen35 import Qwen35ForCausalLM, get_preset
 from qwen35.bench import machine_info, save_json
 from qwen35.layers import abstract_init
-from qwen35.roofline import DEVICE_KINDS, HARDWARE, PRECISIONS, Scenario, measure_local
-from qwen35.serving import Engine, SamplingParams
+from qwen35.roofline import PRECISIONS, Scenario, device_hardware
+from qwen35.serving import Engine
+from qwen35.serving.workload import decode_step_time
 from qwen35.utils import env_summary
 
 
@@ -52,39 +52,14 @@ def random_model(config, dtype=jnp.bfloat16, seed: int = 0, std: float = 0.02):
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, filled))
 
 
-def hardware_here():
-    """The roofline entry for device 0: a known chip's spec sheet, else a measurement of this machine."""
-    kind = jax.devices()[0].device_kind
-    for name, hw in sorted(DEVICE_KINDS.items(), key=lambda kv: -len(kv[0])):
-        if name.lower() in kind.lower():
-            return HARDWARE[hw]
-    return measure_local()
-
-
 def decode_step(model, B: int, context: int, new_tokens: int, block_size: int, fused, prefill_tokens=None) -> dict:
-    """Median decode step (seconds) of the engine with B sequences at about `context` tokens; the prompts are
-    prefilled `prefill_tokens` tokens a step (None: all in one step)."""
+    """The engine's median decode step (`qwen35.serving.workload.decode_step_time`) with B sequences at about
+    `context` tokens; the prompts are prefilled `prefill_tokens` tokens a step (None: all in one step)."""
     max_len = context + new_tokens + 8
     budget = max(B, min(B * context, prefill_tokens or B * context))
     eng = Engine(model, max_num_seqs=B, max_num_batched_tokens=budget, block_size=block_size,
                  max_model_len=max_len, min_batch_rows=B, min_page_width=-(-max_len // block_size), fused=fused)
-    rng = np.random.default_rng(B)
-    compile_s = 0.0
-    for rnd in range(2):  # the first pass compiles the prefill and decode programs
-        t0 = time.perf_counter()
-        for _ in range(B):
-            eng.add_request(rng.integers(0, model.config.vocab_size, size=context).tolist(),
-                            SamplingParams(max_tokens=new_tokens))
-        eng.history.clear()
-        while eng.has_unfinished():
-            eng.step()
-        if rnd == 0:
-            compile_s = time.perf_counter() - t0
-    dec = [h["seconds"] for h in eng.history if len(h["rows"]) == B and all(k == "decode" for _, _, k in h["rows"])]
-    if not dec:
-        raise RuntimeError(f"no decode step ran all {B} sequences; raise --new-tokens")
-    return {"step_s": float(np.median(dec)), "decode_steps": len(dec), "first_pass_s": compile_s,
-            "fused": eng.fused}
+    return {**decode_step_time(eng, B, context, new_tokens, seed=B), "fused": eng.fused}
 
 
 def main(argv=None) -> dict:
@@ -108,7 +83,7 @@ def main(argv=None) -> dict:
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
     print(f"{args.preset}: {n_params / 1e9:.2f} B parameters in bf16, made in {time.perf_counter() - t0:.1f} s")
 
-    hw = hardware_here()
+    hw = device_hardware()
     # What the engine serves: bf16 weights and KV pages, the GDN state in fp32 (read and written back each step).
     served = dataclasses.replace(PRECISIONS["bf16"], name="engine-bf16", state_bytes=4)
     sc = Scenario(cfg, hw, chips=1, layout=dataclasses.replace(Scenario.make().layout, name="one-device",

@@ -31,6 +31,7 @@ from flax import nnx
 from qwen35 import Qwen35ForCausalLM, get_preset
 from qwen35.bench import machine_info, save_json
 from qwen35.serving import Engine, SamplingParams
+from qwen35.serving.workload import decode_step_time
 from qwen35.utils import env_summary, figures_dir
 
 
@@ -104,16 +105,7 @@ def decode_step_ms(model, B: int, context: int, block_size: int, steps: int) -> 
     """Median decode step time with B sequences at about `context` tokens (after a warm-up run)."""
     n_out = steps + -(-B * context // 256) + 1  # the first admitted still decode when the last joins
     eng = make_engine(model, B, block_size, max_model_len=context + n_out + 8, budget=256)
-    rng = np.random.default_rng(B)
-    for _ in range(2):  # first pass compiles (prefill and decode programs), second is timed
-        for _ in range(B):
-            eng.add_request(rng.integers(0, model.config.vocab_size, size=context).tolist(),
-                            SamplingParams(max_tokens=n_out))
-        eng.history.clear()
-        while eng.has_unfinished():
-            eng.step()
-    dec = [h["seconds"] for h in eng.history if all(k == "decode" for _, _, k in h["rows"]) and len(h["rows"]) == B]
-    return float(np.median(dec)) * 1e3
+    return decode_step_time(eng, B, context, n_out, seed=B)["step_s"] * 1e3
 
 
 def engine_vs_model(model, B: int, prompt_len: int = 16, new_tokens: int = 64, rounds: int = 5) -> dict:

@@ -110,26 +110,32 @@ def measure_local(matmul_n: int = 1024, bandwidth_bytes: int = 128 * 2**20, repe
 # JAX device kinds -> `HARDWARE` entries (spec-sheet peaks; per chip, split over its logical devices).
 DEVICE_KINDS = {"TPU7x": "tpu-v7x", "TPU v6 lite": "tpu-v6e", "TPU v6e": "tpu-v6e", "TPU v5 lite": "tpu-v5e",
                 "TPU v5e": "tpu-v5e", "TPU v5p": "tpu-v5p", "TPU v5": "tpu-v5p", "H100": "h100", "H200": "h200"}
-_measured_devices: dict[str, tuple[float, float]] = {}
+_measured_devices: dict[str, Hardware] = {}
 
 
-def device_roofline() -> tuple[float, float, str]:
-    """(peak bf16 FLOP/s, HBM bytes/s, where the figures come from) for one JAX device (device 0): the spec sheet
-    for known chips (split over the chip's logical devices), else a matmul and read-bandwidth measurement here
-    (once per device kind). Used by the kernel benchmarks to place achieved rates against the roofline."""
+def device_hardware() -> Hardware:
+    """The `Hardware` entry of the chip behind JAX device 0: the spec sheet for a known chip (`DEVICE_KINDS`),
+    else `measure_local()` (measured once per device kind in a process)."""
     import jax
-
-    from qwen35.bench import matmul_peak, memory_bandwidth
 
     kind = jax.devices()[0].device_kind
     for name, hw in sorted(DEVICE_KINDS.items(), key=lambda kv: -len(kv[0])):
         if name.lower() in kind.lower():
-            h = HARDWARE[hw]
-            n = h.devices_per_chip
-            return h.peak("bf16") / n, h.hbm_bandwidth / n, f"spec sheet ({h.name}, qwen35.roofline)"
+            return HARDWARE[hw]
     if kind not in _measured_devices:
-        _measured_devices[kind] = (matmul_peak(1024, repeats=3), memory_bandwidth(64 * 2**20, repeats=3))
-    return *_measured_devices[kind], "measured here (fp32 matmul, read bandwidth)"
+        _measured_devices[kind] = measure_local(1024, 64 * 2**20, repeats=3)
+    return _measured_devices[kind]
+
+
+def device_roofline() -> tuple[float, float, str]:
+    """(peak bf16 FLOP/s, HBM bytes/s, where the figures come from) for one JAX device (device 0), from
+    `device_hardware()` with a chip's figures split over its logical devices. Used by the kernel benchmarks to
+    place achieved rates against the roofline."""
+    h = device_hardware()
+    if h.measured:
+        return h.peak("f32"), h.hbm_bandwidth, "measured here (fp32 matmul, read bandwidth)"
+    n = h.devices_per_chip
+    return h.peak("bf16") / n, h.hbm_bandwidth / n, f"spec sheet ({h.name}, qwen35.roofline)"
 
 
 def get_hardware(name: str | Hardware) -> Hardware:

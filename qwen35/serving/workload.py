@@ -15,7 +15,7 @@ import numpy as np
 from qwen35.serving.engine import Engine
 from qwen35.serving.sampling import SamplingParams
 
-__all__ = ["WORKLOADS", "make_requests", "num_chips", "run_workload", "format_table"]
+__all__ = ["WORKLOADS", "make_requests", "num_chips", "run_workload", "decode_step_time", "format_table"]
 
 WORKLOADS = {"prefill-heavy": (8192, 1024), "decode-heavy": (1024, 8192)}
 
@@ -78,6 +78,30 @@ def run_workload(engine: Engine, requests, *, progress: bool = True, desc: str =
             "mean_ttft_s": float(np.mean([first[r] - t0 for r in ids])),
             "mean_tpot_ms": float(np.mean(tpot)) * 1e3 if tpot else float("nan"),
             "steps": engine.num_steps, "preemptions": engine.num_preemptions}
+
+
+def decode_step_time(engine: Engine, batch: int, context: int, max_tokens: int, seed: int = 0) -> dict:
+    """The engine's decode step with `batch` sequences at about `context` tokens: `batch` random prompts of
+    `context` tokens, `max_tokens` new tokens each, served twice (the first pass compiles the prefill and decode
+    programs and is timed whole). Returns the median of the second pass's steps that decoded all `batch` rows and
+    nothing else (`step_s`), how many there were, and the first pass's seconds."""
+    rng = np.random.default_rng(seed)
+    first_pass_s = 0.0
+    for rnd in range(2):
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            engine.add_request(rng.integers(0, engine.config.vocab_size, size=context).tolist(),
+                               SamplingParams(max_tokens=max_tokens))
+        engine.history.clear()
+        while engine.has_unfinished():
+            engine.step()
+        if rnd == 0:
+            first_pass_s = time.perf_counter() - t0
+    dec = [h["seconds"] for h in engine.history
+           if len(h["rows"]) == batch and all(kind == "decode" for _, _, kind in h["rows"])]
+    if not dec:
+        raise RuntimeError(f"no decode step ran all {batch} sequences: give each more new tokens (max_tokens)")
+    return {"step_s": float(np.median(dec)), "decode_steps": len(dec), "first_pass_s": first_pass_s}
 
 
 def format_table(rows: list[dict]) -> str:
