@@ -341,6 +341,35 @@ def test_prefill_block_lengths(model):
         assert batch.gather_idx.shape[1] == Lb and batch.gather_valid.sum() == sum(lens)
 
 
+def test_layer_programs_compile_per_shape_of_what_they_read(model):
+    """One program per layer runs each layer on only the batch fields it reads: a step whose page table is wider
+    compiles the attention layers' program again but not the GDN layers' or the head's (they read no page table),
+    and the step's tokens are the same either way."""
+    from qwen35.serving.runner import BATCH_FIELDS, LayerwiseStep, StepBatch, batch_view
+
+    assert set(BATCH_FIELDS["gdn"]).isdisjoint({"page_indices", "ctx_pages", "slot_mapping", "kv_lens"})
+    view = batch_view(StepBatch(*range(len(StepBatch._fields))), "head")
+    assert {f for f, x in zip(StepBatch._fields, view) if x is not None} == set(BATCH_FIELDS["head"])
+    from qwen35.serving.cache import SCRATCH_PAGE, PagedHybridCache
+
+    engine = make_engine(model, 2, 16)
+    for p in ([1, 2, 3], [4, 5]):
+        engine.add_request(p, SamplingParams(max_tokens=3))
+    engine.step()  # prefill
+    batch = engine.build_batch(engine.scheduler.schedule())  # a decode step
+    step = LayerwiseStep(model)  # programs are shared by every runner of this model: count what each call adds
+    progs = {"head": step.head[0], **{step.reads[i]: prog for i, (prog, _) in enumerate(step.layers)}}
+    toks, sizes = [], []
+    Sb, P = batch.page_indices.shape
+    for extra in (0, 5):  # 5 more pages than the step needs: a width no bucket makes
+        b = batch._replace(page_indices=np.concatenate(
+            [batch.page_indices, np.full((Sb, extra), SCRATCH_PAGE, np.int32)], axis=1))
+        cache = PagedHybridCache(jnp.array(engine.cache.pool, copy=True))  # the layer programs donate the pool
+        toks.append(np.asarray(step(cache, b)[0]))
+        sizes.append({k: f._cache_size() for k, f in progs.items()})
+    assert sizes[1] == {**sizes[0], "attention": sizes[0]["attention"] + 1}
+    np.testing.assert_array_equal(toks[0], toks[1])
+
 def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
     """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows
     again as a causal [Sp, Lb] block over their own new K/V and, for chunks that continue a sequence, its context

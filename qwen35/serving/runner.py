@@ -107,6 +107,24 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
                      top_k=z(Sb), top_p=np.ones(Sb, np.float32), seeds=z(Sb, dtype=np.uint32), counters=z(Sb))
 
 
+# What each per-layer program reads of a StepBatch. `LayerwiseStep` hands a program only these fields (the rest
+# None), so it compiles once per shape of what it reads: a GDN layer does not recompile when the step's page-table
+# width changes, the head not when its prefill block does.
+_MIXED_ROWS = ("last_idx", "tok_row", "gather_idx", "gather_valid", "pf_rows", "tok_pf", "tok_prow", "tok_col")
+BATCH_FIELDS = {
+    "gdn": _MIXED_ROWS + ("state_blocks", "fresh"),
+    "attention": _MIXED_ROWS + ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices", "num_seqs",
+                                "ctx_pages"),
+    "head": ("last_idx", "temperature", "top_k", "top_p", "seeds", "counters"),
+}
+
+
+def batch_view(b: StepBatch, reads: str) -> StepBatch:
+    """`b` with only the fields `BATCH_FIELDS[reads]` names, the others None."""
+    keep = BATCH_FIELDS[reads]
+    return b._replace(**{f: None for f in StepBatch._fields if f not in keep})
+
+
 def attention_backend(backend: str):
     """The step's ragged paged attention for `backend`, as `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
     (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
@@ -461,7 +479,8 @@ class LayerwiseStep:
 
     Layers of one kind share a graph definition and shapes, so the 6 GDN layers of the tiny model compile once,
     the 2 attention layers once: compile time drops by about the number of layers per kind, for one dispatch per
-    layer at run time. The engine uses it on CPU, where compiling dominates short runs; `FusedStep` elsewhere.
+    layer at run time. Each program gets only the batch fields it reads (`batch_view`), so it compiles once per
+    shape of those. The engine uses it on CPU, where compiling dominates short runs; `FusedStep` elsewhere.
     With `dp`, each program runs every data-parallel rank of the mesh, as `FusedStep`'s does.
     """
 
@@ -470,14 +489,16 @@ class LayerwiseStep:
         self.embed = _program("embed", model.model.embed_tokens, dp)
         self.layers = [_program("layer", layer, dp) for layer in model.model.layers]
         self.indices = [np.int32(i) for i in layer_indices(model.model.layers)]  # traced: one program a kind
+        self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
         embed, leaves = self.embed
         h = embed(leaves, batch.tokens, dtype=self.dtype)
         pool = cache.pool
-        for (layer, leaves), idx in zip(self.layers, self.indices):
-            h, pool = layer(leaves, idx, h, pool, batch, backend=backend)
+        views = {reads: batch_view(batch, reads) for reads in BATCH_FIELDS}
+        for (layer, leaves), idx, reads in zip(self.layers, self.indices, self.reads):
+            h, pool = layer(leaves, idx, h, pool, views[reads], backend=backend)
         head, leaves = self.head
-        toks, logits = head(leaves, h, batch, return_logits=return_logits)
+        toks, logits = head(leaves, h, views["head"], return_logits=return_logits)
         return toks, logits, PagedHybridCache(pool)
