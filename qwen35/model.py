@@ -139,6 +139,10 @@ class Qwen35ForCausalLM(nnx.Module):
     run in float32 regardless. `moe_impl` picks the expert path ("sorted", "dense" or "capacity"). `fp8_experts`
     stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
     fp8="keep")` builds for an FP8 checkpoint).
+
+    `execution` is None on one device. `qwen35.sharding.shard_model` returns a copy whose execution (a
+    `qwen35.sharding.MeshExecution`, chosen once when it is placed) supplies the MoE's expert-parallel exchange,
+    the cache's placement and the call's jit over the mesh; the layers run the same code either way.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
@@ -152,6 +156,7 @@ class Qwen35ForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
         else:
             self.lm_head = None
+        self.execution = None  # how the model runs besides one device: `qwen35.sharding.shard_model` sets it
 
     @classmethod
     def abstract(cls, config: Qwen35Config, **kwargs) -> "Qwen35ForCausalLM":
@@ -163,7 +168,8 @@ class Qwen35ForCausalLM(nnx.Module):
 
     # -- cache ---------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
-        """Zeros for every layer: K/V for `max_len` tokens (attention), conv + recurrent state (GDN)."""
+        """Zeros for every layer: K/V for `max_len` tokens (attention), conv + recurrent state (GDN); on a sharded
+        model placed as its `execution` places it."""
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"init_cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if max_len > self.config.max_position_embeddings:
@@ -171,6 +177,12 @@ class Qwen35ForCausalLM(nnx.Module):
                 f"max_len {max_len} exceeds the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}); use a shorter cache or a config with RoPE scaling (YaRN)"
             )
+        if self.execution is not None:
+            return self.execution.init_cache(self, batch_size, max_len, dtype)
+        return self.zeros_cache(batch_size, max_len, dtype)
+
+    def zeros_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
+        """`init_cache`'s arrays, unchecked and unplaced."""
         dtype = jnp.dtype(dtype or self.dtype)
         layers = []
         for layer in self.model.layers:
@@ -180,16 +192,22 @@ class Qwen35ForCausalLM(nnx.Module):
                 layers.append(layer.self_attn.init_cache(batch_size, max_len, dtype))
         return HybridCache(layers=tuple(layers), index=jnp.zeros((), jnp.int32))
 
+    @property
+    def mesh(self):
+        """The mesh a sharded model (`qwen35.sharding.shard_model`) lives on; None for a model on one device."""
+        return None if self.execution is None else self.execution.mesh
+
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: jax.Array, cache: HybridCache | None = None) -> ModelOutput:
         """The forward pass as traced code (call it under jit, or use `__call__`, which does)."""
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids, self.dtype)
         index = jnp.zeros((), jnp.int32) if cache is None else cache.index
+        routed_fn = None if self.execution is None else self.execution.routed_fn()
         hidden, routers, new_states = [h], [], []
         for i, layer in enumerate(self.model.layers):
             state = None if cache is None else cache.layers[i]
-            h, new_state, router_logits = layer(h, state, index)
+            h, new_state, router_logits = layer(h, state, index, routed_fn=routed_fn)
             hidden.append(h)
             routers.append(router_logits)
             new_states.append(new_state)
@@ -235,6 +253,8 @@ class Qwen35ForCausalLM(nnx.Module):
         if isinstance(input_ids, jax.core.Tracer):  # already inside someone's jit: just trace
             out = self.forward(input_ids, cache)
             return out.logits, out.cache
+        if self.execution is not None:
+            return self.execution.call(self, input_ids, cache)
         run, leaves = bound_call(self, "forward", _build_forward)
         return run(leaves, jnp.asarray(input_ids, jnp.int32), cache)
 
@@ -254,7 +274,7 @@ class Qwen35ForCausalLM(nnx.Module):
 # (about 1 ms). So a program is built once per (kind, graph definition, parameter tree structure) with both closed
 # over, and called with the flat list of parameter arrays; a module remembers its split, and re-splits only when a
 # cheap walk of its attributes (`_structure`) shows that the graph changed — a submodule or Variable replaced, a
-# static attribute set (`use_expert_parallel` sets several). New values of the same Variables (`v.value = ...`)
+# static attribute set (`shard_model` sets `execution` on its copy). New values of the same Variables (`v.value = ...`)
 # are read on every call.
 _PROGRAMS: dict = {}
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -732,18 +732,6 @@ class SparseMoeBlock(nnx.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
-    def use_expert_parallel(self, mesh, scheme: str = "allgather", capacity_factor: float | None = None, *,
-                            rules=None, chunks: int = 1, gate_up_layout: str = "checkpoint"):
-        """Switch the routed experts to the expert-parallel path (`impl` "ep"): `qwen35.sharding.moe_ep` over
-        `mesh` with token exchange `scheme` ("allgather" or "alltoall"), the sharding `rules` (None: the default
-        table), `chunks` pieces and the stored `gate_up_layout`. Used by `qwen35.sharding.shard_model`."""
-        if self.impl != "ep":
-            self.local_impl = self.impl  # the path each device's own experts take in `qwen35.sharding.moe_ep_local`
-        self.impl, self.ep_mesh, self.ep_scheme, self.ep_capacity_factor = "ep", mesh, scheme, capacity_factor
-        opts = {"chunks": chunks, "gate_up_layout": gate_up_layout, **({} if rules is None else {"rules": rules})}
-        self.ep_options = tuple(opts.items())  # a tuple: static module attributes must be hashable
-        return self
-
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """The routed-expert sum for x [N, H] with the configured path."""
         ex = self.experts
@@ -756,11 +744,6 @@ class SparseMoeBlock(nnx.Module):
                                              down_scale=ex.down_proj_scale_inv[...])
             return experts_sorted_pallas(x, weights, experts, *ex.dequantized(x.dtype))
         gu, dn = ex.dequantized(x.dtype)
-        if self.impl == "ep":
-            from qwen35.sharding import moe_ep  # sharding imports this module
-
-            return moe_ep(x, weights, experts, gu, dn, mesh=self.ep_mesh, scheme=self.ep_scheme,
-                          capacity_factor=self.ep_capacity_factor, **dict(getattr(self, "ep_options", ())))
         if self.impl == "dense":
             return experts_dense(x, weights, experts, gu, dn)
         if self.impl == "capacity":
@@ -774,9 +757,9 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
         """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the
-        routed-expert sum: how the serving engine's data-parallel step, already inside a `shard_map`, exchanges
-        tokens with explicit collectives (`qwen35.sharding.moe_ep_local`) around the same router and shared
-        expert."""
+        routed-expert sum, around the same router and shared expert: a sharded model's execution hands in the
+        expert-parallel exchange (`qwen35.sharding.MeshExecution.routed_fn`, a `shard_map`), the serving engine's
+        data-parallel step, already inside a `shard_map`, its explicit collectives (`qwen35.sharding.moe_ep_local`)."""
         H = self.config.hidden_size
         if x.ndim != 3 or x.shape[-1] != H:
             raise ValueError(f"SparseMoeBlock expects x [B, T, {H}], got {_shape(x)}")

@@ -234,7 +234,7 @@ def quantize_experts_fp8(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
     (`fp8_block_quantize`: float8_e4m3fn + one float32 scale per 128x128 block), everything else shared as it
     is. `save_hf_checkpoint` writes it in the official format: the way to make FP8 checkpoints to test and teach
     with. The original is untouched."""
-    if any(layer.mlp.impl not in ("dense", "sorted", "capacity") for layer in model.model.layers):
+    if model.execution is not None:
         raise ValueError("quantize_experts_fp8 takes an unsharded model (quantise first, then shard it)")
     abstract = Qwen35ForCausalLM.abstract(model.config, param_dtype=model.model.embed_tokens.weight[...].dtype,
                                           dtype=model.dtype, moe_impl=model.model.layers[0].mlp.impl,

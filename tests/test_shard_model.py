@@ -39,11 +39,13 @@ def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange)
     model, ids, ref = tiny_model_and_reference
     mesh = S.make_mesh(expert=8)
     E, k = model.config.num_experts, model.config.num_experts_per_tok
-    smodel = S.shard_model(model, mesh, moe_exchange=exchange,
-                           capacity_factor=E / k if exchange == "alltoall" else None)  # E/k: nothing dropped
-    assert smodel is not model and model.model.layers[0].mlp.impl == "sorted"  # the original is untouched
+    cf = E / k if exchange == "alltoall" else None  # E/k: nothing dropped
+    smodel = S.shard_model(model, mesh, moe_exchange=exchange, capacity_factor=cf)
+    assert smodel is not model and model.execution is None and model.mesh is None  # the original is untouched
+    assert smodel.execution == S.MeshExecution(mesh, tuple(S.LOGICAL_RULES), exchange, cf)
+    assert smodel.mesh is mesh and type(smodel) is type(model)  # the same class and layers, another execution
     mlp = smodel.model.layers[0].mlp
-    assert mlp.impl == "ep" and mlp.ep_scheme == exchange
+    assert mlp.impl == "sorted"  # each device's own experts still take the layer's path
     # parameters: experts E/8 per device, attention and GDN replicated
     gu = mlp.experts.gate_up_proj[...]
     assert gu.sharding.spec == P("expert", None, None)
@@ -90,7 +92,7 @@ def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and
     assert gu.addressable_shards[0].data.shape == (model.config.num_experts // 8, *gu.shape[1:])
 
     smodel = S.load_sharded(tmp_path, mesh, progress=False)
-    assert smodel.model.layers[0].mlp.impl == "ep"
+    assert smodel.execution.moe_exchange == "allgather" and smodel.mesh is mesh
     cache = smodel.init_cache(8, 16)
     for step, sl in enumerate((slice(0, 7), slice(7, 8), slice(8, 9))):
         logits, cache = smodel(ids[:, sl], cache=cache)

@@ -134,7 +134,8 @@ def data_parallel(model, mesh=None):
     the capacity-based all-to-all exchange (it drops tokens; the engine exchanges by all-gather, exactly)."""
     from qwen35 import sharding as S
 
-    own = getattr(model, "mesh", None)
+    execution = getattr(model, "execution", None)
+    own = None if execution is None else execution.mesh
     if mesh is None:
         mesh = own
     if mesh is None:
@@ -142,7 +143,7 @@ def data_parallel(model, mesh=None):
     if own is not None and own != mesh:
         raise S.ShardingError(f"the model is sharded on mesh {dict(own.shape)} but the engine was given mesh "
                               f"{dict(mesh.shape)}; pass the model's own mesh (or none)")
-    rules = getattr(model, "rules", S.LOGICAL_RULES)
+    rules = S.LOGICAL_RULES if execution is None else execution.rules
     axes = S.mesh_axes_for("batch", mesh, rules)
     other = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
     if other:
@@ -159,7 +160,7 @@ def data_parallel(model, mesh=None):
             graphdef, state = nnx.split(model)
             model = nnx.merge(graphdef, jax.device_put(state, jax.sharding.NamedSharding(mesh, PartitionSpec())))
     else:
-        scheme = getattr(model.model.layers[0].mlp, "ep_scheme", "allgather")
+        scheme = execution.moe_exchange
         if scheme != "allgather":
             raise S.ShardingError(f"the engine exchanges tokens by all-gather / reduce-scatter (exact); a model "
                                   f"sharded with moe_exchange={scheme!r} drops tokens past capacity. Use "

@@ -78,8 +78,7 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
         where = dp.sharding()
     else:
         dp = None
-        for layer in model.model.layers:
-            layer.mlp.use_expert_parallel(mesh, "allgather")
+        model.execution = S.MeshExecution(mesh, rules)  # replicated attention: the MoE by moe_ep over the mesh
         where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     dtype = jnp.dtype(param_dtype)

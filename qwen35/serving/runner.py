@@ -333,7 +333,10 @@ def _sample(logits, b: StepBatch):
 
 
 def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
-    """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code)."""
+    """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code). `routed_fn`: how the
+    MoE sums its routed experts (default: the model's execution's, e.g. `moe_ep` for a sharded model)."""
+    if routed_fn is None and model.execution is not None:
+        routed_fn = model.execution.routed_fn()
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     pool = cache.pool
     for layer, idx in zip(model.model.layers, layer_indices(model.model.layers)):
@@ -412,17 +415,18 @@ def _on_ranks(fn, dp: DataParallel | None, specs, shared: int = 0):
 
 # Programs bound to a module's structure by `qwen35.model.bind_program` (why: see there), called with the flat
 # parameter arrays taken once, when the engine is built.
-def _program(kind: str, module, dp: DataParallel | None = None):
+def _program(kind: str, module, dp: DataParallel | None = None, execution=None):
     """(jitted program for `kind` closed over `module`'s structure and, on a mesh, its parameters' placement; the
-    module's flat parameter arrays)."""
+    module's flat parameter arrays). `execution`: the model's (a layer does not hold it), for the MoE's exchange
+    when there is no `dp`."""
     specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in jax.tree.leaves(nnx.state(module)))
-    program, state = bind_program((kind, dp, specs), module,
-                                  lambda merge: _BUILDERS[kind](merge, dp, specs))
+    program, state = bind_program((kind, dp, specs, execution), module,
+                                  lambda merge: _BUILDERS[kind](merge, dp, specs, execution))
     return program, jax.tree.leaves(state)
 
 
-def _build_step(merge, dp, specs):
-    routed = None if dp is None else dp.routed_fn()
+def _build_step(merge, dp, specs, execution):
+    routed = None if dp is None else dp.routed_fn()  # else the merged model's own execution's
 
     @functools.partial(jax.jit, static_argnames=("backend", "return_logits"), donate_argnames=("cache",))
     def run(leaves, cache, batch, *, backend, return_logits):
@@ -432,15 +436,15 @@ def _build_step(merge, dp, specs):
     return run
 
 
-def _build_embed(merge, dp, specs):
+def _build_embed(merge, dp, specs, execution):
     @functools.partial(jax.jit, static_argnames=("dtype",))
     def run(leaves, tokens, *, dtype):
         return _on_ranks(lambda leaves, tokens: merge(leaves)(tokens, dtype), dp, specs)(leaves, tokens)
     return run
 
 
-def _build_layer(merge, dp, specs):
-    routed = None if dp is None else dp.routed_fn()
+def _build_layer(merge, dp, specs, execution):
+    routed = dp.routed_fn() if dp is not None else None if execution is None else execution.routed_fn()
 
     @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("pool",))
     def run(leaves, idx, h, pool, b, *, backend):
@@ -450,7 +454,7 @@ def _build_layer(merge, dp, specs):
     return run
 
 
-def _build_head(merge, dp, specs):
+def _build_head(merge, dp, specs, execution):
     @functools.partial(jax.jit, static_argnames=("return_logits",))
     def run(leaves, h, b, *, return_logits):
         def local(leaves, h, b):
@@ -487,7 +491,7 @@ class LayerwiseStep:
     def __init__(self, model, dp: DataParallel | None = None):
         self.dtype = model.dtype
         self.embed = _program("embed", model.model.embed_tokens, dp)
-        self.layers = [_program("layer", layer, dp) for layer in model.model.layers]
+        self.layers = [_program("layer", layer, dp, model.execution) for layer in model.model.layers]
         self.indices = [np.int32(i) for i in layer_indices(model.model.layers)]  # traced: one program a kind
         self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only

@@ -29,7 +29,7 @@ Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes
 
 One topic a module, every public name re-exported here: `mesh` (meshes, the rules table, `check_mesh`),
 `exchange` (packed routing, hierarchical collectives, `moe_ep` and `moe_ep_local`, expert placement by load),
-`placement` (parameter and cache specs, sharded loading, `shard_model`), `accounting` (bytes on paper and in
+`placement` (parameter and cache specs, sharded loading, `shard_model` and its `MeshExecution`), `accounting` (bytes on paper and in
 compiled programs, memory plans, a decode step lowered from shapes).
 """
 
@@ -38,8 +38,8 @@ from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingErr
 from qwen35.sharding.exchange import (SCHEMES, EPStats, balanced_expert_placement, hierarchical_all_gather,
                                       hierarchical_psum_scatter, moe_ep, moe_ep_local, pack_routing,
                                       tp_deinterleave_gate_up, tp_interleave_gate_up, unpack_routing)
-from qwen35.sharding.placement import (cache_specs, checkpoint_shardings, load_sharded, param_specs, shard_model,
-                                       sharded_model_class)
+from qwen35.sharding.placement import (MeshExecution, cache_specs, checkpoint_shardings, load_sharded, param_specs,
+                                       shard_model)
 from qwen35.sharding.accounting import decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes
 
 __all__ = [
@@ -70,7 +70,7 @@ __all__ = [
     "SCHEMES",
     "cache_specs",
     "shard_model",
-    "sharded_model_class",
+    "MeshExecution",
     "memory_plan",
     "decode_step_lowering",
 ]

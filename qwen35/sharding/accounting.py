@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from qwen35.config import Qwen35Config
 from qwen35.moe import capacity as moe_capacity
 from qwen35.sharding.exchange import SCHEMES
-from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, check_mesh, mesh_axes_for
-from qwen35.sharding.placement import _batch_spec, _check_batch, cache_specs, param_specs
+from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _rules_dict, check_mesh, mesh_axes_for
+from qwen35.sharding.placement import MeshExecution, _batch_spec, _check_batch, cache_specs, param_specs
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -186,8 +186,7 @@ def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *
     check_mesh(config, mesh, rules)
     _check_batch(batch, mesh, rules)
     abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype)
-    for layer in abstract.model.layers:
-        layer.mlp.use_expert_parallel(mesh, moe_exchange)
+    abstract.execution = MeshExecution(mesh, tuple(_rules_dict(rules).items()), moe_exchange)  # a fresh model's
     graphdef, params = nnx.split(abstract)
     specs = param_specs(nnx.state(abstract, nnx.Param), mesh, rules)
 
@@ -195,7 +194,7 @@ def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
     params = jax.tree.map(sds, params, specs)
-    cache = jax.eval_shape(lambda: abstract.init_cache(batch, max_len))
+    cache = jax.eval_shape(lambda: abstract.zeros_cache(batch, max_len))
     cache = jax.tree.map(sds, cache, cache_specs(cache, mesh, rules))
     ids = jax.ShapeDtypeStruct((batch, 1), jnp.int32,
                                sharding=jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 2, rules)))

@@ -351,7 +351,7 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
     gate_up, down = block.experts.dequantized(x.dtype)
-    impl = "dense" if getattr(block, "local_impl", block.impl) == "dense" else "sorted"
+    impl = "dense" if block.impl == "dense" else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
                            chunks=1)

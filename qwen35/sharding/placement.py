@@ -3,13 +3,15 @@ to its devices), cache specs, and `shard_model`."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from qwen35.config import Qwen35Config
-from qwen35.sharding.exchange import SCHEMES, tp_interleave_gate_up
+from qwen35.sharding.exchange import SCHEMES, moe_ep, tp_interleave_gate_up
 from qwen35.sharding.mesh import (LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, _rules_dict, check_mesh,
                                   logical_to_spec, mesh_axes_for, param_logical_axes)
 
@@ -149,52 +151,55 @@ def _sharded_forward(mesh, rules, with_cache: bool):
     return build
 
 
-def _make_sharded_class():
-    from qwen35.model import HybridCache, Qwen35ForCausalLM
+@dataclasses.dataclass(frozen=True)
+class MeshExecution:
+    """How a sharded model runs, chosen once by `shard_model` and held by the model as `model.execution` (a
+    hashable value: part of the model's graph, so its jitted programs are built per execution). The model's own
+    layers run unchanged; the execution supplies what differs on a mesh:
 
-    class ShardedQwen35ForCausalLM(Qwen35ForCausalLM):
-        """A `Qwen35ForCausalLM` whose parameters live on `self.mesh` (see `shard_model`): `init_cache` returns a
-        batch-sharded cache and calls run one jit with those shardings (batch split over all mesh axes)."""
+      `routed_fn()`   the MoE's routed-expert sum as `moe_ep` over `mesh` (handed to every `SparseMoeBlock`);
+      `init_cache`    the dense cache placed batch-split over the mesh's batch axes;
+      `call`          one jit of the model's forward with the input ids and logits batch-split.
 
-        def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
-            _check_batch(batch_size, self.mesh, self.rules)
-            shapes = jax.eval_shape(lambda: Qwen35ForCausalLM.init_cache(self, batch_size, max_len, dtype))
-            sh = _named(self.mesh, cache_specs(shapes, self.mesh, self.rules))
-            return jax.jit(lambda: Qwen35ForCausalLM.init_cache(self, batch_size, max_len, dtype),
-                           out_shardings=sh)()
+    mesh, rules (a `rules_with` table as a tuple of items), moe_exchange ("allgather" or "alltoall"),
+    capacity_factor (all-to-all only), moe_chunks and gate_up_layout: `moe_ep`'s options."""
 
-        def __call__(self, input_ids, cache: HybridCache | None = None):
-            if isinstance(input_ids, (list, tuple)):
-                input_ids = np.asarray(input_ids)
-            self._check_call(input_ids, cache)
-            if isinstance(input_ids, jax.core.Tracer):
-                out = self.forward(input_ids, cache)
-                return out.logits, out.cache
-            _check_batch(input_ids.shape[0], self.mesh, self.rules)
-            from qwen35.model import bound_call
+    mesh: Mesh
+    rules: tuple
+    moe_exchange: str = "allgather"
+    capacity_factor: float | None = None
+    moe_chunks: int = 1
+    gate_up_layout: str = "checkpoint"
 
-            ids = jax.device_put(jnp.asarray(input_ids, jnp.int32),
-                                 jax.sharding.NamedSharding(self.mesh, _batch_spec(self.mesh, 2, self.rules)))
-            kind = ("sharded", self.mesh, self.rules, cache is not None)
-            f, leaves = bound_call(self, kind, _sharded_forward(self.mesh, self.rules, cache is not None))
-            logits, new_cache = f(leaves, ids, cache)
-            if new_cache is not None:  # keep the cache where init_cache put it (a no-op when already there)
-                new_cache = jax.device_put(new_cache, _named(self.mesh, cache_specs(new_cache, self.mesh,
-                                                                                     self.rules)))
-            return logits, new_cache
+    def routed_fn(self):
+        """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
+        def routed(block, x, weights, experts):
+            gate_up, down = block.experts.dequantized(x.dtype)
+            return moe_ep(x, weights, experts, gate_up, down, mesh=self.mesh, scheme=self.moe_exchange,
+                          capacity_factor=self.capacity_factor, rules=self.rules, chunks=self.moe_chunks,
+                          gate_up_layout=self.gate_up_layout)
+        return routed
 
-    return ShardedQwen35ForCausalLM
+    def init_cache(self, model, batch_size: int, max_len: int, dtype=None):
+        """`model`'s zero cache, each sequence's layers on the devices of its share of the batch axes."""
+        _check_batch(batch_size, self.mesh, self.rules)
+        zeros = functools.partial(model.zeros_cache, batch_size, max_len, dtype)
+        sh = _named(self.mesh, cache_specs(jax.eval_shape(zeros), self.mesh, self.rules))
+        return jax.jit(zeros, out_shardings=sh)()
 
+    def call(self, model, input_ids, cache):
+        """`model(input_ids, cache)` (already checked) as one jit over the mesh: (logits, cache)."""
+        from qwen35.model import bound_call
 
-_SHARDED_CLASS = None
-
-
-def sharded_model_class():
-    """The `Qwen35ForCausalLM` subclass `shard_model` returns (made on first use: model.py imports moe.py)."""
-    global _SHARDED_CLASS
-    if _SHARDED_CLASS is None:
-        _SHARDED_CLASS = _make_sharded_class()
-    return _SHARDED_CLASS
+        _check_batch(input_ids.shape[0], self.mesh, self.rules)
+        ids = jax.device_put(jnp.asarray(input_ids, jnp.int32),
+                             jax.sharding.NamedSharding(self.mesh, _batch_spec(self.mesh, 2, self.rules)))
+        kind = ("sharded", cache is not None)  # the execution is part of the model's graph
+        f, leaves = bound_call(model, kind, _sharded_forward(self.mesh, self.rules, cache is not None))
+        logits, new_cache = f(leaves, ids, cache)
+        if new_cache is not None:  # keep the cache where init_cache put it (a no-op when already there)
+            new_cache = jax.device_put(new_cache, _named(self.mesh, cache_specs(new_cache, self.mesh, self.rules)))
+        return logits, new_cache
 
 
 def _rules_key(rules):
@@ -218,8 +223,9 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
                    regrouped by `tp_interleave_gate_up` when placed, down split by columns), partial outputs
                    all-reduced; with an "expert" axis too, the EP x TP hybrid.
 
-    MoE blocks switch to `moe_ep` with `moe_exchange` "allgather" (exact) or "alltoall" (capacity
-    `capacity_factor`, default 1.25; `num_experts / top_k` guarantees no drops), in `moe_chunks` pieces.
+    The copy's `execution` (a `MeshExecution`) runs its MoE blocks through `moe_ep` with `moe_exchange`
+    "allgather" (exact) or "alltoall" (capacity `capacity_factor`, default 1.25; `num_experts / top_k` guarantees
+    no drops), in `moe_chunks` pieces; the layers themselves are the model's own.
     `smodel.init_cache(B, S)` gives a cache placed to match; `logits, cache = smodel(ids, cache=cache)` runs one
     jit; B must be a multiple of the batch devices (a `ShardingError` says so).
 
@@ -228,7 +234,6 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
 
     if moe_exchange not in SCHEMES:
         raise ValueError(f"moe_exchange must be one of {SCHEMES}, got {moe_exchange!r}")
-    cls = sharded_model_class()
     check_mesh(model.config, mesh, rules)
     if not mesh_axes_for("experts", mesh, rules) and not mesh_axes_for("expert_mlp", mesh, rules):
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to; use e.g. "
@@ -249,9 +254,6 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     placed = jax.device_put(params, _named(mesh, specs))
     rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, P())) if jax.tree.leaves(rest) else rest
     smodel = nnx.merge(graphdef, placed, rest)
-    smodel.__class__ = cls  # same attributes, sharded methods
-    smodel.mesh, smodel.rules = mesh, rules_key
-    for layer in smodel.model.layers:
-        layer.mlp.use_expert_parallel(mesh, moe_exchange, capacity_factor, rules=rules_key, chunks=moe_chunks,
-                                      gate_up_layout="tp_interleaved" if m > 1 else "checkpoint")
+    smodel.execution = MeshExecution(mesh, rules_key, moe_exchange, capacity_factor, moe_chunks,
+                                     "tp_interleaved" if m > 1 else "checkpoint")  # the copy's, before any use
     return smodel
