@@ -6,6 +6,20 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, shared by both workers and the notebooks' kernels (they
+# inherit the environment): many files build the same tiny-preset programs (an engine's step programs take a few
+# seconds each to compile on CPU), and each compiles them once. A fresh directory per run (made by the first
+# process, removed when it exits), so no run reads what an earlier run compiled.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="qwen35-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
