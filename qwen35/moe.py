@@ -31,7 +31,7 @@ grouped-matmul kernel replaces. It has two methods:
 `experts_sorted` with "tiles" runs the same schedule with the gather and the weighted scatter-add inside each
 tile (`_sorted_tiles_fused`), so no [M, H] sorted copy of the tokens or [M, H] expert output is made; the routing
 weights scale each tile's SwiGLU activations.
-The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_method` says why). `benchmarks/moe.py` at N=4096, H=512, E=32,
+The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). `benchmarks/moe.py` at N=4096, H=512, E=32,
 k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took 0.8–1.1 s against
 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took 1.2 s; the
 grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower than the
@@ -95,11 +95,11 @@ __all__ = [
     "SparseMoeBlock",
     "fp8_dequantize",
     "IMPLS",
-    "GROUPED_METHODS",
+    "GROUPED_IMPLS",
 ]
 
 IMPLS = ("dense", "sorted", "capacity")
-GROUPED_METHODS = ("auto", "tiles", "ragged_dot")
+GROUPED_IMPLS = ("auto", "tiles", "ragged_dot")
 DEFAULT_TILE = 256
 
 
@@ -216,7 +216,7 @@ def sort_by_expert(experts: jax.Array, num_experts: int):
     return order.astype(jnp.int32), group_sizes
 
 
-def _default_method() -> str:
+def _default_impl() -> str:
     """ragged_dot on TPU, where XLA runs it as a grouped matmul; tiles elsewhere. XLA:CPU lowers ragged_dot to slow
     loops, and XLA:GPU (jax 0.11, H200) to one dense product over every expert's block of H: a [M, E·H] operand
     (64 GiB for 65,536 routed rows of Qwen3.5-35B-A3B)."""
@@ -269,7 +269,7 @@ def remainder_tiles(tm: int) -> tuple[int, ...]:
 
 
 def _tile_loops(carry, group_sizes, M: int, tile: int, weights: tuple, run_tile):
-    """The tile schedule of the "tiles" method over M rows sorted by expert, group_sizes [E], expert by expert: a
+    """The tile schedule of the "tiles" implementation over M rows sorted by expert, group_sizes [E], expert by expert: a
     `lax.scan` over the experts slices expert e's weights out of `weights` (arrays with a leading [E] axis) once,
     then calls `run_tile(carry, at, t, w_e, own) -> carry` once per tile of its rows, where the tile is sorted
     rows [at, at + t) (t static), w_e the expert's weight slices and own a [t] bool mask of the rows that belong
@@ -337,7 +337,7 @@ def _tile_swiglu(x_t, gate_up_e, down_e, scale=None):
 
 
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
-    """The "tiles" method of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
+    """The "tiles" implementation of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
     writes its own rows of the result in place (no padded copy of the rows or the result: padding x and y by a
     tile and slicing y back copies [M, H] arrays; the whole `small` 4 x 512 prefill took 0.98-1.06x the time with
     them in four interleaved runs: noise level)."""
@@ -353,7 +353,7 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
 
 
 def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: int):
-    """`experts_sorted` with the "tiles" method, the gather and the weighted scatter-add done per tile: each tile
+    """`experts_sorted` with the "tiles" implementation, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert (the routing weights folded into the SwiGLU activations), and
     adds its own rows into the [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output
     (each a fresh k-times-the-tokens buffer that is written, then read once): against gather, `grouped_swiglu`,
@@ -373,12 +373,12 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     return _tile_loops(jnp.zeros((N, H), x.dtype), group_sizes, token.shape[0], tile, (gate_up, down), run_tile)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "tile"))
-def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, method: str = "auto", tile: int = DEFAULT_TILE):
+@functools.partial(jax.jit, static_argnames=("impl", "tile"))
+def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE):
     """Grouped SwiGLU expert MLP: rows [starts[e], starts[e] + group_sizes[e]) of x_sorted go through expert e.
 
     x_sorted [M, H], group_sizes [E] int (Σ = M), gate_up [E, 2I, H], down [E, H, I] -> [M, H] in x's dtype.
-    `method`: "auto" (ragged_dot on TPU, tiles elsewhere), "tiles" or "ragged_dot" (see the module docstring);
+    `impl`: "auto" (ragged_dot on TPU, tiles elsewhere), "tiles" or "ragged_dot" (see the module docstring);
     `tile`: the largest row tile of "tiles" (the one used depends on the rows per expert: `tile_rows`).
     This is the kernel boundary: a Pallas grouped matmul can replace it without touching the routing.
     """
@@ -388,42 +388,42 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, method: str = "auto"
     E, _ = _check_weights(gate_up, down, x_sorted.shape[1])
     if _shape(group_sizes) != (E,):
         raise ValueError(f"group_sizes must be [E] = [{E}], got shape {_shape(group_sizes)}")
-    if method not in GROUPED_METHODS:
-        raise ValueError(f"method must be one of {GROUPED_METHODS}, got {method!r}")
-    if method == "auto":
-        method = _default_method()
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = _default_impl()
     dtype = x_sorted.dtype
     gate_up, down = gate_up.astype(dtype), down.astype(dtype)
     if x_sorted.shape[0] == 0:
         return jnp.zeros_like(x_sorted)
-    if method == "ragged_dot":
+    if impl == "ragged_dot":
         y = _grouped_ragged(x_sorted, group_sizes.astype(jnp.int32), gate_up, down)
     else:
         y = _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile)
     return y.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "tile"))
-def experts_sorted(x, weights, experts, gate_up, down, *, method: str = "auto", tile: int = DEFAULT_TILE):
+@functools.partial(jax.jit, static_argnames=("impl", "tile"))
+def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE):
     """Sort the N·k slots by expert, gather their tokens, grouped SwiGLU, weighted scatter-add back to tokens.
 
     Exactly the useful FLOPs (2·N·k·3IH); the data movement is a gather and a scatter-add of M = N·k rows. With
-    the "tiles" method each tile does its own gather and scatter-add (`_sorted_tiles_fused`); with "ragged_dot"
+    the "tiles" implementation each tile does its own gather and scatter-add (`_sorted_tiles_fused`); with "ragged_dot"
     the whole [M, H] sorted rows go through `grouped_swiglu`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
     order, group_sizes = sort_by_expert(experts, E)
     token = order // k  # token of each sorted row
     w_sorted = weights.reshape(-1)[order].astype(x.dtype)
-    if method not in GROUPED_METHODS:
-        raise ValueError(f"method must be one of {GROUPED_METHODS}, got {method!r}")
+    if impl not in GROUPED_IMPLS:
+        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
     if N == 0:
         return jnp.zeros_like(x)
-    if (_default_method() if method == "auto" else method) == "tiles":  # gather and scatter-add inside the tiles
+    if (_default_impl() if impl == "auto" else impl) == "tiles":  # gather and scatter-add inside the tiles
         return _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up.astype(x.dtype), down.astype(x.dtype),
                                    tile)
     x_sorted = x[token]  # [M, H]
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, method=method, tile=tile)
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, impl=impl, tile=tile)
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
 
 
@@ -698,13 +698,13 @@ class SparseMoeBlock(nnx.Module):
     `DENSE_MAX_MACS` multiply-adds takes `experts_dense`; with `config.backend == "pallas"` every batch size takes
     the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
     unpermute; FP8 experts go to them as FP8 tiles + block scales), "dense" or "capacity" (with
-    `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_method`
+    `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_impl`
     is passed to `grouped_swiglu` by the sorted path.
     `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, impl: str = "sorted",
-                 capacity_factor: float | None = None, grouped_method: str = "auto", fp8_experts: bool = False):
+                 capacity_factor: float | None = None, grouped_impl: str = "auto", fp8_experts: bool = False):
         c = config
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -714,13 +714,13 @@ class SparseMoeBlock(nnx.Module):
             capacity_factor = 1.25
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-        if grouped_method not in GROUPED_METHODS:
-            raise ValueError(f"grouped_method must be one of {GROUPED_METHODS}, got {grouped_method!r}")
+        if grouped_impl not in GROUPED_IMPLS:
+            raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
         if c.num_experts_per_tok > c.num_experts:
             raise ValueError(f"num_experts_per_tok ({c.num_experts_per_tok}) cannot exceed num_experts "
                              f"({c.num_experts})")
         self.config = c
-        self.impl, self.capacity_factor, self.grouped_method = impl, capacity_factor, grouped_method
+        self.impl, self.capacity_factor, self.grouped_impl = impl, capacity_factor, grouped_impl
         self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
         H = c.hidden_size
         self.gate = TopKRouter(c.num_experts, H, rngs=rngs, param_dtype=param_dtype)
@@ -753,7 +753,7 @@ class SparseMoeBlock(nnx.Module):
             return experts_gather(x, weights, experts, gu, dn)
         if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
             return experts_dense(x, weights, experts, gu, dn)
-        return experts_sorted(x, weights, experts, gu, dn, method=self.grouped_method)
+        return experts_sorted(x, weights, experts, gu, dn, impl=self.grouped_impl)
 
     def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
         """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the

@@ -161,8 +161,8 @@ def test_route_rejects_bad_inputs(rng):
 # Three expert paths
 PATHS = {
     "dense": moe.experts_dense,
-    "sorted_tiles": lambda *a: moe.experts_sorted(*a, method="tiles"),
-    "sorted_ragged_dot": lambda *a: moe.experts_sorted(*a, method="ragged_dot"),
+    "sorted_tiles": lambda *a: moe.experts_sorted(*a, impl="tiles"),
+    "sorted_ragged_dot": lambda *a: moe.experts_sorted(*a, impl="ragged_dot"),
     "capacity_big": lambda *a: moe.experts_capacity(*a, capacity_factor=100.0)[0],
     "gather": moe.experts_gather,
 }
@@ -231,9 +231,9 @@ def test_grouped_swiglu_methods_agree(rng, group_sizes):
     group_sizes = np.array(group_sizes, np.int32)
     xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
     ref = _grouped_reference(xs, group_sizes, gu, dn)
-    for method, tile in [("tiles", 128), ("tiles", 64), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
-        y = jax.jit(lambda *a: moe.grouped_swiglu(*a, method=method, tile=tile))(xs, group_sizes, gu, dn)
-        assert_close(y, ref, terms=H + I, name=f"{method} tile {tile}")
+    for impl, tile in [("tiles", 128), ("tiles", 64), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
+        y = jax.jit(lambda *a: moe.grouped_swiglu(*a, impl=impl, tile=tile))(xs, group_sizes, gu, dn)
+        assert_close(y, ref, terms=H + I, name=f"{impl} tile {tile}")
 
 
 def _grouped_reference(xs, group_sizes, gu, dn):
@@ -252,7 +252,7 @@ def _grouped_reference(xs, group_sizes, gu, dn):
 
 _TILES_M, _TILES_E = 1100, 4  # 275 rows per expert on average: 256-row full tiles, remainders in 256 down to 16
 _FEW_M, _FEW_E = 40, 16  # 2 rows per expert: 8-row tiles, larger than the average group
-_tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, method="tiles"))
+_tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, impl="tiles"))
 
 
 @settings(max_examples=25, deadline=None)
@@ -271,7 +271,7 @@ def test_grouped_tiles_any_group_sizes(cuts):
                  name=f"group sizes {group_sizes.tolist()}")
 
 
-_sorted_tiles_fn = jax.jit(lambda *a: moe.experts_sorted(*a, method="tiles"))
+_sorted_tiles_fn = jax.jit(lambda *a: moe.experts_sorted(*a, impl="tiles"))
 
 
 @settings(max_examples=15, deadline=None)
@@ -384,8 +384,8 @@ def test_path_input_checks(rng):
         moe.experts_dense(x, np.ones((5, 5), np.float32), np.zeros((5, 5), np.int32), gu, dn)
     with pytest.raises(ValueError, match="group_sizes must be"):
         moe.grouped_swiglu(x, np.array([5], np.int32), gu, dn)
-    with pytest.raises(ValueError, match="method"):
-        moe.grouped_swiglu(x, np.array([5, 0, 0, 0], np.int32), gu, dn, method="magic")
+    with pytest.raises(ValueError, match="impl"):
+        moe.grouped_swiglu(x, np.array([5, 0, 0, 0], np.int32), gu, dn, impl="magic")
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         moe.experts_capacity(x, w, e, gu, dn, capacity_factor=0.0)
 
