@@ -4,18 +4,10 @@ interpreter state around every test (import the fixture into a test module to us
 import jax
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc  # the race flag lives here (private)
+
+from qwen35.kernels.interpret import races_found  # noqa: F401 (re-exported for the kernel tests)
 
 RACES = pltpu.InterpretParams(detect_races=True)
-
-
-def races_found() -> bool:
-    """The interpreter's race flag (a race is printed, not raised, so tests must look here). A jitted call returns
-    before its kernels have run (async dispatch), so first wait for every callback in flight: read too early, the
-    flag is still None (no kernel started) and a racy kernel would pass."""
-    jax.effects_barrier()
-    assert _ipc.races is not None, "no kernel ran in TPU interpret mode with detect_races since the last reset"
-    return bool(_ipc.races.races_found)
 
 
 @pytest.fixture(autouse=True)
