@@ -369,6 +369,19 @@ def test_layer_programs_compile_per_shape_of_what_they_read(model):
         sizes.append({k: f._cache_size() for k, f in progs.items()})
     assert sizes[1] == {**sizes[0], "attention": sizes[0]["attention"] + 1}
     np.testing.assert_array_equal(toks[0], toks[1])
+    # The pool is donated and every layer writes only its own units: the compiled programs update it in place. A
+    # copy of the whole pool per layer (XLA's way to keep a read's operand alive past a write it could not order)
+    # would cost more than the layer's own work; write_state relies on the rule's data dependence to avoid it.
+    embed, leaves = step.embed
+    h = embed(leaves, batch.tokens, dtype=step.dtype)
+    pool = engine.cache.pool
+    shape = "[" + ",".join(map(str, pool.shape)) + "]"
+    for i in (step.reads.index("gdn"), step.reads.index("attention")):
+        prog, leaves = step.layers[i]
+        hlo = prog.lower(leaves, step.indices[i], h, pool, batch_view(batch, step.reads[i]),
+                         backend="xla").compile().as_text()
+        copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line.split("copy(")[0]]
+        assert not copies, f"the {step.reads[i]} layer program copies the pool: {copies[0][:200]}"
 
 def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
     """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows

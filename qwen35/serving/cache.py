@@ -231,35 +231,51 @@ def _state_units(lay: PoolLayout, j, blocks: jax.Array):
     return u % lay.units_per_block, jnp.take(blocks, u // lay.units_per_block, axis=1)
 
 
+def _units(lay: PoolLayout, pool, which, ids, first: int, n: int):
+    """[R, n · unit]: units [first, first + n) of a GDN layer's state for every row, in one gather (rows at
+    `NO_BLOCK` read zeros)."""
+    sl = slice(first, first + n)
+    return pool.at[which[None, sl], ids[:, sl]].get(mode="fill", fill_value=0).reshape(ids.shape[0], n * lay.unit)
+
+
+def _set_units(lay: PoolLayout, pool, which, ids, first: int, n: int, x):
+    """`pool` with units [first, first + n) of every row's layer state set to x [R, <= n · unit] (zero-padded to
+    whole units), in one scatter (rows at `NO_BLOCK` dropped)."""
+    R = ids.shape[0]
+    x = jnp.pad(x, ((0, 0), (0, n * lay.unit - x.shape[1]))).reshape(R, n, lay.unit)
+    sl = slice(first, first + n)
+    return pool.at[which[None, sl], ids[:, sl]].set(x, mode="drop")
+
+
 def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype):
     """GDN layer j's (conv [R, conv_dim, Kc] in conv_dtype, recurrent [R, Hv, Dk, Dv] float32) for rows with state
-    blocks `blocks` [R, state_blocks] (rows at `NO_BLOCK` read zeros). Reads only that layer's units."""
+    blocks `blocks` [R, state_blocks] (rows at `NO_BLOCK` read zeros). Reads only that layer's units: the recurrent
+    and the conv units in a gather each (one gather feeding both would be computed twice, once per consumer)."""
     c, lay = config, _layout_of(config, pool)
     R = blocks.shape[0]
     which, ids = _state_units(lay, j, blocks)
-    flat = pool.at[which[None, :], ids].get(mode="fill", fill_value=0).reshape(R, lay.layer_units * lay.unit)
-    rec = flat[:, :lay.rec_elems]
+    rec = _units(lay, pool, which, ids, 0, lay.rec_units)[:, :lay.rec_elems]
     if pool.dtype.itemsize == 2:  # float32 stored as pairs of 16-bit halves
         rec = rec.reshape(R, -1, 2)
     rec = jax.lax.bitcast_convert_type(rec, jnp.float32)
     rec = rec.reshape(R, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-    at = lay.rec_units * lay.unit
-    conv = from_pool(flat[:, at:at + lay.conv_elems], pool).reshape(R, c.linear_conv_dim, c.linear_conv_kernel_dim)
-    return conv.astype(conv_dtype), rec
+    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_units)[:, :lay.conv_elems], pool)
+    return conv.reshape(R, c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype), rec
 
 
 def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,
                 rec: jax.Array) -> jax.Array:
     """The pool with GDN layer j's states of rows `blocks` [R, state_blocks] replaced by conv and rec (writes of
-    rows at `NO_BLOCK` are dropped). Writes only that layer's units."""
+    rows at `NO_BLOCK` are dropped). Writes only that layer's units: the recurrent and the conv units in a scatter
+    each, with no concatenated copy of the two. Both scatters update the pool in place when the new recurrent
+    state depends on the conv state read (as the GDN rule's does); otherwise XLA may copy the pool to order the
+    conv read before the first write."""
     lay = _layout_of(config, pool)
     R = blocks.shape[0]
     rec = jax.lax.bitcast_convert_type(rec.astype(jnp.float32).reshape(R, -1), pool.dtype).reshape(R, -1)
-    pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n * lay.unit - x.shape[1])))  # noqa: E731
-    flat = jnp.concatenate([pad(rec, lay.rec_units), pad(to_pool(conv, pool).reshape(R, -1), lay.conv_units)],
-                           axis=1)
     which, ids = _state_units(lay, j, blocks)
-    return pool.at[which[None, :], ids].set(flat.reshape(R, lay.layer_units, lay.unit), mode="drop")
+    pool = _set_units(lay, pool, which, ids, 0, lay.rec_units, rec)
+    return _set_units(lay, pool, which, ids, lay.rec_units, lay.conv_units, to_pool(conv, pool).reshape(R, -1))
 
 
 def layout_bytes(config: Qwen35Config, num_tokens: int, page_size: int, dtype_bytes: int = 2) -> dict:
