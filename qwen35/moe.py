@@ -31,17 +31,16 @@ grouped-matmul kernel replaces. It has two methods:
 `experts_sorted` with "tiles" runs the same schedule with the gather and the weighted scatter-add inside each
 tile (`_sorted_tiles_fused`), so no [M, H] sorted copy of the tokens or [M, H] expert output is made; the routing
 weights scale each tile's SwiGLU activations.
-The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). `benchmarks/moe.py` at N=4096, H=512, E=32,
-k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took 0.8–1.1 s against
-6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took 1.2 s; the
-grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower than the
-dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
-GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost.
-(Those figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter
-of the expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with remainder
-tiles of 64 rows, as many as each group needed; one process, interleaved, same logits. One remainder tile per
-group, sized to fit, with 256-row full tiles, then took 0.90-1.01x the time of that (median 0.96x): see
-`remainder_tiles`.)
+The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). `benchmarks/moe.py` at
+N=4096, H=512, E=32, k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took
+0.8–1.1 s against 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took
+1.2 s; the grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower
+than the dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
+GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost. (Those
+figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter of the
+expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with remainder tiles of
+64 rows, as many as each group needed; one process, interleaved, same logits. One remainder tile per group, sized to
+fit, with 256-row full tiles, then took 0.90-1.01x the time of that (median 0.96x): see `remainder_tiles`.)
 
 Decode (`experts_gather`, N·k <= E): one matrix-vector pair per slot, slicing that slot's expert, written out
 per slot up to `GATHER_UNROLL_MAX` slots so XLA runs them concurrently (0.83-0.87x the decode step of a
@@ -269,7 +268,7 @@ def remainder_tiles(tm: int) -> tuple[int, ...]:
 
 
 def _tile_loops(carry, group_sizes, M: int, tile: int, weights: tuple, run_tile):
-    """The tile schedule of the "tiles" implementation over M rows sorted by expert, group_sizes [E], expert by expert: a
+    """The tile schedule of the "tiles" path over M rows sorted by expert, group_sizes [E], expert by expert: a
     `lax.scan` over the experts slices expert e's weights out of `weights` (arrays with a leading [E] axis) once,
     then calls `run_tile(carry, at, t, w_e, own) -> carry` once per tile of its rows, where the tile is sorted
     rows [at, at + t) (t static), w_e the expert's weight slices and own a [t] bool mask of the rows that belong
@@ -337,7 +336,7 @@ def _tile_swiglu(x_t, gate_up_e, down_e, scale=None):
 
 
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
-    """The "tiles" implementation of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
+    """The "tiles" path of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
     writes its own rows of the result in place (no padded copy of the rows or the result: padding x and y by a
     tile and slicing y back copies [M, H] arrays; the whole `small` 4 x 512 prefill took 0.98-1.06x the time with
     them in four interleaved runs: noise level)."""
@@ -353,7 +352,7 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
 
 
 def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: int):
-    """`experts_sorted` with the "tiles" implementation, the gather and the weighted scatter-add done per tile: each tile
+    """`experts_sorted` with the "tiles" path, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert (the routing weights folded into the SwiGLU activations), and
     adds its own rows into the [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output
     (each a fresh k-times-the-tokens buffer that is written, then read once): against gather, `grouped_swiglu`,

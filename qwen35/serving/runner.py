@@ -453,7 +453,8 @@ def _build_embed(merge, dp, specs, execution):
 
 
 def _build_layer(merge, dp, specs, execution):
-    routed = dp.routed_fn() if dp is not None else None if execution is None else execution.routed_fn()
+    src = dp if dp is not None else execution  # the rank's in-step exchange, else the model's (moe_ep), else none
+    routed = None if src is None else src.routed_fn()
 
     @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("pool",))
     def run(leaves, idx, h, pool, b, *, backend):
@@ -500,7 +501,8 @@ class LayerwiseStep:
     def __init__(self, model, dp: DataParallel | None = None):
         self.dtype = model.dtype
         self.embed = _program("embed", model.model.embed_tokens, dp)
-        self.layers = [_program("layer", layer, dp, model.execution) for layer in model.model.layers]
+        execution = model.execution if dp is None else None  # with dp, the MoE's exchange is the rank's own
+        self.layers = [_program("layer", layer, dp, execution) for layer in model.model.layers]
         self.indices = [np.int32(i) for i in layer_indices(model.model.layers)]  # traced: one program a kind
         self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only

@@ -29,8 +29,8 @@ Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes
 
 One topic a module, every public name re-exported here: `mesh` (meshes, the rules table, `check_mesh`),
 `exchange` (packed routing, hierarchical collectives, `moe_ep` and `moe_ep_local`, expert placement by load),
-`placement` (parameter and cache specs, sharded loading, `shard_model` and its `MeshExecution`), `accounting` (bytes on paper and in
-compiled programs, memory plans, a decode step lowered from shapes).
+`placement` (parameter and cache specs, sharded loading, `shard_model` and its `MeshExecution`), `accounting`
+(bytes on paper and in compiled programs, memory plans, a decode step lowered from shapes).
 """
 
 from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingError, check_mesh, logical_to_spec,

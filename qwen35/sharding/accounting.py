@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from qwen35.config import Qwen35Config
 from qwen35.moe import capacity as moe_capacity
 from qwen35.sharding.exchange import SCHEMES
-from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _rules_dict, check_mesh, mesh_axes_for
+from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, check_mesh, mesh_axes_for
 from qwen35.sharding.placement import MeshExecution, _batch_spec, _check_batch, cache_specs, param_specs
 
 
@@ -186,7 +186,7 @@ def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *
     check_mesh(config, mesh, rules)
     _check_batch(batch, mesh, rules)
     abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype)
-    abstract.execution = MeshExecution(mesh, tuple(_rules_dict(rules).items()), moe_exchange)  # a fresh model's
+    abstract.execution = MeshExecution(mesh, rules, moe_exchange)  # a fresh model's
     graphdef, params = nnx.split(abstract)
     specs = param_specs(nnx.state(abstract, nnx.Param), mesh, rules)
 

@@ -161,15 +161,18 @@ class MeshExecution:
       `init_cache`    the dense cache placed batch-split over the mesh's batch axes;
       `call`          one jit of the model's forward with the input ids and logits batch-split.
 
-    mesh, rules (a `rules_with` table as a tuple of items), moe_exchange ("allgather" or "alltoall"),
+    mesh, rules (any rules table; kept as a hashable tuple of items), moe_exchange ("allgather" or "alltoall"),
     capacity_factor (all-to-all only), moe_chunks and gate_up_layout: `moe_ep`'s options."""
 
     mesh: Mesh
-    rules: tuple
+    rules: tuple = LOGICAL_RULES
     moe_exchange: str = "allgather"
     capacity_factor: float | None = None
     moe_chunks: int = 1
     gate_up_layout: str = "checkpoint"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rules", _rules_key(self.rules))
 
     def routed_fn(self):
         """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
@@ -239,7 +242,6 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to; use e.g. "
                             f"make_mesh(expert=8) or make_mesh(data=2, expert=4) (or TP-MoE: a 'model' axis with "
                             f"rules_with(expert_mlp=('model',)))")
-    rules_key = _rules_key(rules)
     m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
     if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
         raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "
@@ -254,6 +256,6 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     placed = jax.device_put(params, _named(mesh, specs))
     rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, P())) if jax.tree.leaves(rest) else rest
     smodel = nnx.merge(graphdef, placed, rest)
-    smodel.execution = MeshExecution(mesh, rules_key, moe_exchange, capacity_factor, moe_chunks,
+    smodel.execution = MeshExecution(mesh, rules, moe_exchange, capacity_factor, moe_chunks,
                                      "tp_interleaved" if m > 1 else "checkpoint")  # the copy's, before any use
     return smodel
