@@ -158,13 +158,24 @@ def test_500_requests_over_8_ranks_and_bad_input(model):
         engine.add_request([1, 2], dp_rank=8)
 
 
+def test_engine_with_the_dropless_ragged_exchange(model, prompts, max_tokens, reference):
+    """A model sharded with moe_exchange="ragged": the step's MoE sends exactly the routed rows by a ragged
+    all-to-all (on CPU its padded transport) instead of all-gathering; greedy tokens equal `generate`."""
+    smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), moe_exchange="ragged")
+    engine = make_engine(smodel, None, max_num_seqs=1)
+    assert engine.dp.scheme == "ragged"
+    outs = engine.generate(prompts[:8], [SamplingParams(max_tokens=m) for m in max_tokens[:8]])
+    assert_greedy(outs, (reference[0][:8], reference[1][:8]), max_tokens[:8], "differs from generate (ragged)")
+    assert_all_free(engine)
+
+
 def test_meshes_the_engine_refuses(model):
     """Tensor-parallel axes, a model sharded on another mesh and the dropping all-to-all exchange are refused with
     the fix in the message; nothing is half-built."""
     with pytest.raises(sharding.ShardingError, match="tensor"):
         make_engine(model, sharding.make_mesh(expert=4, model=2))
     smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), moe_exchange="alltoall")
-    with pytest.raises(sharding.ShardingError, match="moe_exchange='allgather'"):
+    with pytest.raises(sharding.ShardingError, match="drops tokens past capacity.*moe_exchange='allgather'"):
         make_engine(smodel, None)
     with pytest.raises(sharding.ShardingError, match="the model's own mesh"):
         make_engine(smodel, sharding.make_mesh(data=2, expert=4))

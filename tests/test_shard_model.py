@@ -66,6 +66,23 @@ def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange)
         assert_logits_close(a, b, model, f"{exchange} step {step}")
 
 
+def test_pure_data_parallel_mesh_replicates_the_experts(tiny_model_and_reference):
+    """make_mesh(data=8), a small model's natural layout: every weight on every device, the batch split, no
+    exchange; equal to the unsharded model. The token-moving exchanges are refused there with the fix."""
+    model, ids, ref = tiny_model_and_reference
+    mesh = S.make_mesh(data=8)
+    smodel = S.shard_model(model, mesh)
+    gu = smodel.model.layers[0].mlp.experts.gate_up_proj[...]
+    assert gu.sharding.spec == P(None, None, None) and gu.addressable_shards[0].data.shape == gu.shape
+    cache = smodel.init_cache(8, 16)
+    for step, sl in enumerate((slice(0, 7), slice(7, 8))):
+        logits, cache = smodel(ids[:, sl], cache=cache)
+        assert_logits_close(np.asarray(logits), ref[step], model, f"data=8 step {step}")
+    assert cache.layers[0].recurrent.sharding.spec[0] == "data"
+    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*moe_exchange='allgather'"):
+        S.shard_model(model, mesh, moe_exchange="ragged")
+
+
 def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and_reference, tmp_path):
     """A checkpoint loaded straight onto the mesh (`load_sharded`: `checkpoint_shardings` per tensor, then
     `shard_model`) is placed at load (experts E/8 per device, the rest replicated) and gives the unsharded

@@ -195,12 +195,119 @@ def test_moe_ep_errors():
     x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=12)
     with pytest.raises(S.ShardingError, match="12 tokens cannot be split over data=2×expert=4 = 8 devices"):
         S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4))
-    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=8))
+    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*use scheme 'allgather'"):
+        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=8), scheme="alltoall")
     with pytest.raises(S.ShardingError, match="16 experts cannot be split over expert=3"):
         S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=3, devices=jax.devices()[:3]))
     with pytest.raises(ValueError, match="scheme must be one of"):
         S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), scheme="ring")
+
+
+def test_moe_ep_pure_data_parallel_runs_every_expert_on_each_device(rng):
+    """make_mesh(data=8): experts replicated, each device's tokens through all of them, no collective at all."""
+    x, w, e, gu, dn = _routed_inputs(rng)
+    mesh = S.make_mesh(data=8)
+    y = S.moe_ep(x, w, e, gu, dn, mesh=mesh)
+    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name="data=8")
+    hlo = jax.jit(functools.partial(S.moe_ep, mesh=mesh)).lower(x, w, e, gu, dn).compile().as_text()
+    assert S.hlo_collective_bytes(hlo)["ops"] == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The dropless ragged all-to-all
+def _ragged_reference(operands, outputs, in_off, send, out_off, recv, n):
+    """numpy, line by line from `lax.ragged_all_to_all`'s documented pseudo-code: device i's slice j goes to device
+    j // (N/n) at that device's row out_off[i][j]; received slice j there is recv[d][j] rows long."""
+    results = [o.copy() for o in outputs]
+    N = len(in_off[0])
+    spd = N // n
+    for src in range(n):
+        for j in range(N):
+            dst, s = j // spd, j % spd
+            rows = operands[src][in_off[src][j]:in_off[src][j] + send[src][j]]
+            assert len(rows) == recv[dst][src * spd + s]  # the documented send/recv agreement
+            results[dst][out_off[src][j]:out_off[src][j] + len(rows)] = rows
+    return results
+
+
+def _run_on_devices(fn, *per_device):
+    mesh = S.make_mesh(expert=8)
+    f = jax.shard_map(lambda *a: fn(*(b[0] for b in a))[None], mesh=mesh, in_specs=(P("expert"),) * len(per_device),
+                      out_specs=P("expert"), check_vma=False)
+    return np.asarray(jax.jit(f)(*(jnp.asarray(np.stack(a)) for a in per_device)))
+
+
+def test_ragged_all_to_all_padded_follows_the_documented_semantics(rng):
+    """The padded transport against numpy's reading of `lax.ragged_all_to_all`'s docstring: 8 devices, 2 slices per
+    destination (16 slices), random sizes (zeros included) with gaps in both the operand and the output."""
+    n, spd, M, rows_in, rows_out = 8, 2, 3, 64, 66
+    sizes = rng.integers(0, M + 1, size=(n, n * spd)).astype(np.int32)  # sizes[src, j]: slice j of device src
+    in_off = np.zeros_like(sizes)
+    for i in range(n):  # slices in a shuffled order with one-row gaps
+        at = 0
+        for j in rng.permutation(n * spd):
+            in_off[i, j] = at
+            at += sizes[i, j] + 1
+        assert at <= rows_in
+    out_off = np.zeros_like(sizes)
+    recv = np.zeros_like(sizes)
+    for d in range(n):  # receiver d lays its incoming slices out source by source, with gaps
+        at = 0
+        for src in range(n):
+            for s in range(spd):
+                j = d * spd + s
+                out_off[src, j] = at
+                recv[d, src * spd + s] = sizes[src, j]
+                at += sizes[src, j] + 1
+        assert at <= rows_out
+    operands = rng.normal(size=(n, rows_in, 2)).astype(np.float32)
+    outputs = np.full((n, rows_out, 2), -7.0, np.float32)  # untouched rows keep the output's value
+    want = _ragged_reference(operands, outputs, in_off, sizes, out_off, recv, n)
+    got = _run_on_devices(lambda o, out, a, b, c, d: S.ragged_all_to_all_padded(o, out, a, b, c, d,
+                                                                                 axis_name="expert", max_slice=M),
+                          operands, outputs, in_off, sizes, out_off, recv)
+    np.testing.assert_array_equal(got, np.stack(want))
+
+
+@pytest.mark.parametrize("mesh_name", ["expert8", "data2_expert4", "chip_core", "ep4_tp2"])
+def test_moe_ep_ragged_is_dropless_under_skewed_routing(mesh_name, rng):
+    """Routing piled onto experts 0 and 1 (where the capacity all-to-all at factor 1 drops slots): the ragged
+    exchange sends every slot and equals the single-device MoE."""
+    x, w, e, gu, dn = _routed_inputs(rng, skew=3.0)
+    axes, kw = {"expert8": (dict(expert=8), {}), "data2_expert4": (dict(data=2, expert=4), {}),
+                "chip_core": (dict(chip=4, core=2), {}), "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP))}[mesh_name]
+    mesh = S.make_mesh(**axes)
+    if not kw:
+        _, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="alltoall", capacity_factor=1.0, return_stats=True)
+        assert int(st.dropped) > 0, "the routing is not skewed enough to test droplessness"
+    y, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", return_stats=True, **kw)
+    assert int(st.dropped) == 0 and st.capacity is None
+    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=f"ragged on {mesh_name}")
+
+
+def test_ragged_native_transport_lowers_to_ragged_all_to_all_and_cpu_refuses_it(rng):
+    """On TPU / GPU the exchange is two `ragged_all_to_all`s (forward and back); lowered here from shapes, it names
+    them. XLA:CPU has none: asking for it says what to use."""
+    from qwen35.sharding import exchange
+
+    x, w, e, gu, dn = _routed_inputs(rng)
+    mesh = S.make_mesh(expert=8)
+    f = exchange._ep_fn(mesh, "ragged", ("expert",), ("expert",), (), None, "sorted", False, 1, True, True)
+    text = f.lower(x, w, e, gu, dn).as_text()
+    assert text.count("ragged_all_to_all") == 2
+    with pytest.raises(S.ShardingError, match="no ragged all-to-all.*transport='padded'"):
+        S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", transport="native")
+    with pytest.raises(ValueError, match="capacity_factor applies to scheme='alltoall' only"):
+        S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", capacity_factor=2.0)
+
+
+def test_ragged_bytes_counts_the_slots_that_leave_their_device():
+    # 2 devices, 4 experts (2 each), 2 tokens per device, k = 2; H = 3, 1 byte per element
+    experts = np.array([[0, 1], [1, 2],    # device 0's tokens: one slot leaves (expert 2 is device 1's)
+                        [0, 3], [2, 3]])   # device 1's tokens: one slot leaves (expert 0 is device 0's)
+    np.testing.assert_array_equal(S.ragged_bytes(experts, 2, 4, 3, 1), [(1 + 1) * 3, (1 + 1) * 3])
+    experts = np.array([[2, 3], [2, 3], [2, 3], [3, 2]])  # all to device 1: device 0 sends 4 out, 1 sends 4 back
+    np.testing.assert_array_equal(S.ragged_bytes(experts, 2, 4, 3, 1), [4 * 3, 4 * 3])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -246,7 +353,7 @@ def test_moe_comm_bytes_formula():
     assert a2a["total"] == 2 * 7 * 64 * C_ * 4096 * 2
 
 
-@pytest.mark.parametrize("scheme", S.SCHEMES)
+@pytest.mark.parametrize("scheme", ["allgather", "alltoall"])
 def test_moe_comm_bytes_match_the_compiled_hlo(scheme):
     cfg = C.tiny(num_experts=16)
     N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
@@ -265,6 +372,24 @@ def test_moe_comm_bytes_match_the_compiled_hlo(scheme):
         assert got["reduce-scatter"] == want["reduce_scatter"]
     else:
         assert got["ops"] == 2 and got["all-to-all"] == want["total"]
+
+
+def test_ragged_padded_transport_bytes_in_the_compiled_hlo():
+    """The "ragged" scheme's bytes depend on the routing (`moe_comm_bytes` gives the uniform expectation,
+    `ragged_bytes` the real count); its CPU transport moves fixed padded blocks, read here off the HLO: the [E]
+    counts all-gathered, E slices of t rows each way, and three all-to-alls of [E] offsets (the forward transport
+    exchanges the destination offsets that the way back needs too: XLA computes that all-to-all once)."""
+    cfg = C.tiny(num_experts=16)
+    N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    n, t = 4, 4  # data=2 x expert=4: 4 devices per exchange, 32 / 8 tokens each
+    f = jax.jit(functools.partial(S.moe_ep, mesh=S.make_mesh(data=2, expert=4), scheme="ragged"))
+    args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
+            jnp.zeros((E, H, I)))
+    got = S.hlo_collective_bytes(f.lower(*args).compile().as_text())
+    want = S.moe_comm_bytes(cfg, t, n, "ragged", dtype_bytes=4)
+    assert got["all-gather"] == want["all_gather_counts"] == (n - 1) * E * 4
+    assert got["all-to-all"] == 2 * (n - 1) * E * t * H * 4 // n + 3 * (n - 1) * E * 4 // n
+    assert want["ragged_dispatch"] == want["ragged_combine"] == (n - 1) * t * k * H * 4 // n
 
 
 # ------------------------------------------------------------------------------------------------------------

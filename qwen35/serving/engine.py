@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_layout
 from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch, padding_batch
@@ -131,7 +130,8 @@ def data_parallel(model, mesh=None):
 
     The engine's step is data-parallel over the mesh's "batch" axes. Refused, with the fix: a mesh axis that
     splits something else (tensor parallelism: a "model" axis of size > 1), a model sharded on another mesh, and
-    the capacity-based all-to-all exchange (it drops tokens; the engine exchanges by all-gather, exactly)."""
+    the capacity-based all-to-all exchange (it drops tokens; the engine exchanges exactly: by all-gather, or by
+    the ragged all-to-all of a model sharded with moe_exchange="ragged")."""
     from qwen35 import sharding as S
 
     execution = getattr(model, "execution", None)
@@ -151,21 +151,17 @@ def data_parallel(model, mesh=None):
                               f"but mesh axes {other} of {dict(mesh.shape)} split something else (tensor "
                               f"parallelism); use make_mesh(expert=n) or make_mesh(data=d, expert=e)")
     expert_axes = S.mesh_axes_for("experts", mesh, rules)
-    if own is None:
-        if expert_axes:
-            model = S.shard_model(model, mesh, rules=rules)
-        else:  # no expert axis (e.g. make_mesh(data=8)): every device holds the whole model
-            from flax import nnx
-
-            graphdef, state = nnx.split(model)
-            model = nnx.merge(graphdef, jax.device_put(state, jax.sharding.NamedSharding(mesh, PartitionSpec())))
+    scheme = "allgather"
+    if own is None:  # (with no expert axis, e.g. make_mesh(data=8), every device holds the whole model)
+        model = S.shard_model(model, mesh, rules=rules)
     else:
         scheme = execution.moe_exchange
-        if scheme != "allgather":
-            raise S.ShardingError(f"the engine exchanges tokens by all-gather / reduce-scatter (exact); a model "
-                                  f"sharded with moe_exchange={scheme!r} drops tokens past capacity. Use "
-                                  f"shard_model(model, mesh, moe_exchange='allgather')")
-    return model, DataParallel(mesh, tuple(axes), tuple(expert_axes))
+        if scheme == "alltoall":
+            raise S.ShardingError(f"the engine exchanges tokens exactly (all-gather / reduce-scatter, or the "
+                                  f"dropless ragged all-to-all); a model sharded with moe_exchange={scheme!r} drops "
+                                  f"tokens past capacity. Use shard_model(model, mesh, moe_exchange='allgather') "
+                                  f"(or 'ragged')")
+    return model, DataParallel(mesh, tuple(axes), tuple(expert_axes), scheme)
 
 
 class Engine:

@@ -61,6 +61,7 @@ from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from
                                   to_pool, write_state)
 from qwen35.serving.sampling import sample
 from qwen35.sharding import moe_ep_local
+from qwen35.sharding.exchange import NATIVE_RAGGED_PLATFORMS
 
 __all__ = ["StepBatch", "padding_batch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
            "LayerwiseStep"]
@@ -376,11 +377,13 @@ class DataParallel(NamedTuple):
     `axes`, so a device holds only its own rank's slice. The step is a `jax.shard_map` over the mesh: inside it,
     attention and the GDN run on the rank's own rows, pages and slots with no communication, and each MoE layer
     all-gathers the tokens and their packed routing metadata over `expert_axes`, sums its local experts and
-    reduce-scatters the results back (`qwen35.sharding.moe_ep_local`)."""
+    reduce-scatters the results back (`qwen35.sharding.moe_ep_local`), or, with `scheme` "ragged", sends exactly
+    the routed rows there and back by a ragged all-to-all."""
 
     mesh: jax.sharding.Mesh
     axes: tuple
     expert_axes: tuple
+    scheme: str = "allgather"
 
     @property
     def size(self) -> int:
@@ -393,7 +396,8 @@ class DataParallel(NamedTuple):
         return jax.sharding.NamedSharding(self.mesh, self.spec())
 
     def routed_fn(self):
-        return functools.partial(moe_ep_local, expert_axes=self.expert_axes)
+        native = self.mesh.devices.flat[0].platform in NATIVE_RAGGED_PLATFORMS
+        return functools.partial(moe_ep_local, expert_axes=self.expert_axes, scheme=self.scheme, native=native)
 
 
 def _leaf_spec(a, dp: DataParallel) -> P:

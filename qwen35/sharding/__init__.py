@@ -1,5 +1,5 @@
 """Sharding for Qwen3.5: meshes, the logical-axis rules table, packed routing metadata, expert-parallel MoE with
-two token-exchange schemes, a hierarchical reduce-scatter, and the communication bytes each scheme costs.
+three token-exchange schemes, a hierarchical reduce-scatter, and the communication bytes each scheme costs.
 
 Mesh axes used here (any subset, in any order):
   data    data parallelism: whole sequences per device, attention (GQA and GDN weights) replicated
@@ -25,6 +25,14 @@ Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes
       local experts  --all_to_all back-->  [E, C, H]  -> weighted combine; slots past C are dropped (counted)
       each device sends 2·(n-1)·(E/n)·C·H·b bytes.
 
+  "ragged" (dropless all-to-all, as inference servers exchange tokens)
+      slots sorted by expert, [E] counts all-gathered  --ragged_all_to_all-->  exactly the routed rows, grouped
+      by local expert  -> grouped SwiGLU  --ragged_all_to_all back-->  weighted combine; nothing dropped
+      each device sends ~2·(n-1)/n·t·k·H·b bytes (k/n of "allgather"'s token bytes). XLA:CPU has no ragged
+      all-to-all: there `ragged_all_to_all_padded` gives the same result through a dense, padded all-to-all.
+
+A mesh with no expert axis (`make_mesh(data=8)`) replicates the experts and exchanges nothing.
+
 `moe_comm_bytes` gives those figures from shapes; `hlo_collective_bytes` reads them off a compiled program.
 
 One topic a module, every public name re-exported here: `mesh` (meshes, the rules table, `check_mesh`),
@@ -35,12 +43,14 @@ One topic a module, every public name re-exported here: `mesh` (meshes, the rule
 
 from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingError, check_mesh, logical_to_spec,
                                   make_mesh, mesh_axes_for, param_logical_axes, rules_with)
-from qwen35.sharding.exchange import (SCHEMES, EPStats, balanced_expert_placement, hierarchical_all_gather,
-                                      hierarchical_psum_scatter, moe_ep, moe_ep_local, pack_routing,
-                                      tp_deinterleave_gate_up, tp_interleave_gate_up, unpack_routing)
+from qwen35.sharding.exchange import (SCHEMES, TRANSPORTS, EPStats, balanced_expert_placement,
+                                      hierarchical_all_gather, hierarchical_psum_scatter, moe_ep, moe_ep_local,
+                                      pack_routing, ragged_all_to_all_padded, tp_deinterleave_gate_up,
+                                      tp_interleave_gate_up, unpack_routing)
 from qwen35.sharding.placement import (MeshExecution, cache_specs, checkpoint_shardings, load_sharded, param_specs,
                                        shard_model)
-from qwen35.sharding.accounting import decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes
+from qwen35.sharding.accounting import (decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes,
+                                        ragged_bytes)
 
 __all__ = [
     "ShardingError",
@@ -66,6 +76,9 @@ __all__ = [
     "hierarchical_all_gather",
     "balanced_expert_placement",
     "moe_comm_bytes",
+    "ragged_bytes",
+    "ragged_all_to_all_padded",
+    "TRANSPORTS",
     "hlo_collective_bytes",
     "SCHEMES",
     "cache_specs",

@@ -1,4 +1,5 @@
-"""Bytes on paper and in compiled programs: what each exchange sends (`moe_comm_bytes`), what a compiled HLO
+"""Bytes on paper and in compiled programs: what each exchange sends (`moe_comm_bytes`; for a given routing,
+`ragged_bytes`), what a compiled HLO
 module sends (`hlo_collective_bytes`), the per-device memory of DP vs TP attention (`memory_plan`), and one
 decode step lowered from shapes (`decode_step_lowering`)."""
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qwen35.config import Qwen35Config
 from qwen35.moe import capacity as moe_capacity
@@ -31,6 +33,10 @@ def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int,
     device (the devices of one TP group hold the same t tokens).
     "allgather": tokens (n-1)·t·H·b + packed routing (n-1)·t·2k·4 + reduce-scatter of outputs (n-1)·t·H·b.
     "alltoall":  two all-to-alls of [n, E/n, C, H] at b bytes: 2·(n-1)·(E/n)·C·H·b, C = capacity(t, E, k, cf).
+    "ragged":    the slots routed to other devices, there and back: 2·(n-1)/n·t·k·H·b expected under uniform
+                 routing (the real bytes follow the routing: `ragged_bytes`), + the all-gather of the [E] slot
+                 counts (n-1)·E·4 + two all-to-alls of the [E] offsets 2·(n-1)/n·E·4. Against "allgather" the
+                 token bytes are k/n as many: fewer for k < n, more for the released model's k = 10 on 8 devices.
     TP-MoE (m > 1) adds the all-reduce of the partial outputs [t, H]: 2·(m-1)/m·t·H·b.
     Splitting the exchange into chunks, or making it hierarchical, moves the same total.
     Returns a dict of the parts and "total"."""
@@ -48,12 +54,29 @@ def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int,
         C = moe_capacity(t, E, k, capacity_factor)
         one = (n - 1) * (E // n) * C * H * b
         parts = {"all_to_all_dispatch": one, "all_to_all_combine": one}
+    elif scheme == "ragged":
+        one = (n - 1) * t * k * H * b // n
+        parts = {"ragged_dispatch": one, "ragged_combine": one, "all_gather_counts": (n - 1) * E * 4,
+                 "all_to_all_offsets": 2 * (n - 1) * E * 4 // n}
     else:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if m > 1:
         parts["all_reduce_tp"] = 2 * (m - 1) * t * H * b // m
     parts["total"] = sum(parts.values())
     return parts
+
+
+def ragged_bytes(experts, n_devices: int, num_experts: int, hidden: int, dtype_bytes: int = 2) -> np.ndarray:
+    """Token bytes each device sends in `moe_ep(scheme="ragged")` for this routing (dispatch + combine, counts and
+    offsets aside): experts [N, k] over N = n·t tokens, device i holding tokens [i·t, (i+1)·t) and experts
+    [i·E/n, (i+1)·E/n). A slot to another device's expert is one row out and its output one row back (the combine
+    is sent by the expert's device: the same count summed over devices). Returns [n] bytes, by device."""
+    e = np.asarray(experts).reshape(n_devices, -1)  # [source, t·k]
+    dest = e // (num_experts // n_devices)
+    src = np.arange(n_devices)[:, None]
+    out = ((dest != src).sum(1)).astype(np.int64)  # rows each device sends out
+    back = np.bincount(dest[dest != src], minlength=n_devices)  # rows each device sends back
+    return (out + back) * hidden * dtype_bytes
 
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4,

@@ -1,6 +1,6 @@
 """The expert-parallel exchange: packed routing metadata, hierarchical collectives, the tensor-parallel
-regrouping of gate_up, `moe_ep` (its own `shard_map`) and `moe_ep_local` (inside a caller's), and expert
-placement by load."""
+regrouping of gate_up, the dropless ragged all-to-all, `moe_ep` (its own `shard_map`) and `moe_ep_local` (inside a
+caller's), and expert placement by load."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from qwen35.moe import capacity as moe_capacity
-from qwen35.moe import experts_dense, experts_sorted, sort_by_expert
+from qwen35.moe import experts_dense, experts_sorted, grouped_swiglu, sort_by_expert
 from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, mesh_axes_for
 
 
-SCHEMES = ("allgather", "alltoall")
+SCHEMES = ("allgather", "alltoall", "ragged")
 LOCAL_IMPLS = ("sorted", "dense")
+TRANSPORTS = ("auto", "native", "padded")
+# Backends whose XLA implements the ragged-all-to-all HLO (XLA:CPU does not: "not supported by XLA:CPU").
+NATIVE_RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -114,8 +117,8 @@ def tp_deinterleave_gate_up(gate_up: jax.Array, m: int) -> jax.Array:
 # ------------------------------------------------------------------------------------------------------------
 # Expert-parallel (and tensor-parallel) MoE
 class EPStats(NamedTuple):
-    """dropped: slots past capacity over all devices (int32; 0 for "allgather"); drop_rate: dropped / (N·k);
-    capacity: C, rows per (source device, expert) buffer (None for "allgather")."""
+    """dropped: slots past capacity over all devices (int32; 0 for "allgather" and "ragged"); drop_rate:
+    dropped / (N·k); capacity: C, rows per (source device, expert) buffer (None for "allgather" and "ragged")."""
 
     dropped: jax.Array
     drop_rate: jax.Array
@@ -207,12 +210,84 @@ def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, all_
     return y.astype(dtype), dropped
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The dropless exchange: a ragged all-to-all of exactly the routed slots
+def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                             axis_name, max_slice: int):
+    """`lax.ragged_all_to_all`'s result (same arguments, same semantics: see its docstring) from a dense
+    `lax.all_to_all` of slices padded to `max_slice` rows, for backends whose XLA has no ragged-all-to-all (CPU).
+    Call inside `shard_map`. Every slice must hold at most `max_slice` rows.
+
+    Each of the N slices (N/n per destination device) is cut from `operand` at its offset as `max_slice` rows,
+    the [N, max_slice, ...] block goes through one tiled all-to-all, the receiver learns where its slices go from
+    an all-to-all of `output_offsets`, and writes the first recv_sizes[i] rows of slice i there. It moves
+    N·max_slice rows per device whatever the sizes; the native op moves only the slices' rows."""
+    N = input_offsets.shape[0]
+    rows = jnp.arange(max_slice, dtype=jnp.int32)
+    padded = jnp.concatenate([operand, jnp.zeros((max_slice, *operand.shape[1:]), operand.dtype)])
+    pieces = padded[input_offsets[:, None] + rows[None, :]]  # [N, max_slice, ...]: slice i, to device i // (N/n)
+    got = jax.lax.all_to_all(pieces, axis_name, 0, 0, tiled=True)  # slice i now from device i // (N/n)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each received slice goes here
+    dest = jnp.where(rows[None, :] < recv_sizes[:, None], at[:, None] + rows[None, :], output.shape[0])
+    return output.at[dest.reshape(-1)].set(got.reshape(N * max_slice, *got.shape[2:]), mode="drop")
+
+
+def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native, grouped_impl):
+    """Per device: x [t, H], weights/experts [t, k]; gate_up/down hold this device's E/n experts (and, with
+    tensor-parallel experts, its I/m slice of each).
+
+    1. Sort the t·k slots by expert (`sort_by_expert`): the rows for device d's experts are then contiguous, one
+       slice per expert. All-gather the [E] slot counts (n·E int32): every device then knows every slice's size
+       and where it lands: on device d, expert l's rows from all sources, source after source, then expert l+1's.
+    2. Ragged all-to-all forward: E slices (E/n per device) of exactly the routed rows. The receiver's buffer is
+       grouped by local expert, so the grouped SwiGLU runs on it as it is (rows past the groups stay zero).
+    3. Ragged all-to-all back (the offsets swapped), then each slot's output times its routing weight is added to
+       its token. No capacity, nothing dropped: equal to the single-device MoE.
+    The receive buffer is static: n·t·min(k, E/n) rows, the most a device can get (each token sends at most
+    min(k, E/n) slots to one device)."""
+    t, H = x.shape
+    k = experts.shape[1]
+    El = gate_up.shape[0]
+    n = _axes_size_traced(ex_axes)
+    E = n * El
+    me = jax.lax.axis_index(ex_axes)
+    order, counts = sort_by_expert(experts, E)  # order [t·k] flat slot ids, counts [E] int32
+    token = order // k
+    x_sorted = x[token]  # [t·k, H], grouped by expert, so by destination device
+    every = jax.lax.all_gather(counts, ex_axes, axis=0, tiled=False).reshape(n, E)  # [source, expert]
+    in_off = jnp.cumsum(counts) - counts  # [E] where expert e's rows start here
+    per_dev = every.sum(0).reshape(n, El)  # rows each expert gets from everyone, by device
+    group_start = (jnp.cumsum(per_dev, axis=1) - per_dev).reshape(E)  # its group's start on its device
+    earlier = (jnp.cumsum(every, axis=0) - every)[me]  # [E] rows that sources before this one send it
+    out_off = group_start + earlier  # where this device's slice for expert e lands on e's device
+    recv = jax.lax.dynamic_slice_in_dim(every, me * El, El, axis=1).reshape(n * El)  # slice (source s, expert l)
+    group_sizes = jax.lax.dynamic_index_in_dim(per_dev, me, keepdims=False)  # [El]
+    R = n * t * min(k, El)
+    if native:
+        move = functools.partial(jax.lax.ragged_all_to_all, axis_name=ex_axes)
+    else:  # one slice holds at most t rows: a token routes at most one slot to each expert
+        move = functools.partial(ragged_all_to_all_padded, axis_name=ex_axes, max_slice=t)
+    x_recv = move(x_sorted, jnp.zeros((R, H), x.dtype), in_off, counts, out_off, recv)
+    y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl)  # [R, H]
+    # Back: this device's slices go to their sources; offsets here are where they landed (the all-to-all of the
+    # sources' out_off), offsets there are where the sources took them from (the all-to-all of their in_off).
+    here = jax.lax.all_to_all(out_off, ex_axes, 0, 0, tiled=True)
+    there = jax.lax.all_to_all(in_off, ex_axes, 0, 0, tiled=True)
+    y_sorted = move(y_recv, jnp.zeros((t * k, H), x.dtype), here, recv, there, counts)
+    w_sorted = weights.reshape(-1)[order].astype(x.dtype)
+    y = jnp.zeros((t, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
+    if tp_axes:
+        y = jax.lax.psum(y, tp_axes)
+    return y, jnp.zeros((), jnp.int32)
+
+
 def _axes_size_traced(axes) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes)
 
 
 @functools.lru_cache(maxsize=64)
-def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave):
+def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave,
+           native=False):
     tok = P(tok_axes or None, None)
     tp = tp_axes or None
     gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
@@ -230,6 +305,13 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 
         def run(x, weights, experts, gate_up, down):
             return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
+    elif scheme == "ragged":
+        body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native, grouped_impl="auto")
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
+                          check_vma=False)
+
+        def run(x, weights, experts, gate_up, down):
+            return f(x, weights, experts, prep(gate_up), down)
     else:
         body = functools.partial(_alltoall_body, ex_axes=ex_axes, tp_axes=tp_axes, all_axes=all_axes, C=C,
                                  chunks=chunks)
@@ -244,7 +326,7 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
            capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
            hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
-           return_stats: bool = False):
+           transport: str = "auto", return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
     over `mesh`.
@@ -263,6 +345,17 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
                    all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
                    (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
                    expert, in token order, like `experts_capacity` on its shard.
+      "ragged"     dropless all-to-all: slots sorted by expert, their counts all-gathered, exactly the routed rows
+                   sent in a ragged all-to-all (one slice per expert), grouped SwiGLU on the receiver, a ragged
+                   all-to-all back. Equal to the single-device MoE at any load. `transport` "native" is
+                   `lax.ragged_all_to_all` (TPU, GPU); "padded" (`ragged_all_to_all_padded`) the same result
+                   through a dense all-to-all of slices padded to t rows, for XLA:CPU, which has no ragged
+                   all-to-all; "auto" picks by the mesh's platform. Per slot, not per token: a token whose k
+                   slots go to one device is sent k times, so it moves k/n of "allgather"'s bytes (more when
+                   k > n, as for the released model's k = 10 on 8 devices; see `moe_comm_bytes`).
+    With no expert axis and no expert_mlp axis (e.g. `make_mesh(data=8)`: pure data parallelism, the experts
+    replicated) there is nothing to exchange: each device runs its own tokens through all the experts
+    ("allgather" only).
     `chunks` K: exchange and compute in K independent pieces (tokens for "allgather", local experts for
     "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
     `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
@@ -274,6 +367,8 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
     if gate_up_layout not in ("checkpoint", "tp_interleaved"):
         raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if not isinstance(chunks, (int, np.integer)) or chunks < 1:
         raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
     x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
@@ -286,10 +381,12 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     ex_axes = mesh_axes_for("experts", mesh, rules)
     tp_axes = mesh_axes_for("expert_mlp", mesh, rules)
     tok_axes = mesh_axes_for("batch", mesh, rules)
-    if not ex_axes and not tp_axes:
+    if not ex_axes and not tp_axes and scheme != "allgather":
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to "
-                            f"({mesh_axes_for('experts', None, rules)}) nor one the 'expert_mlp' rule maps to; "
-                            f"e.g. make_mesh(expert=8), or TP-MoE with rules_with(expert_mlp=('model',))")
+                            f"({mesh_axes_for('experts', None, rules)}): the experts are replicated and there are "
+                            f"no tokens to exchange, so scheme {scheme!r} does not apply; use scheme 'allgather' "
+                            f"(each device runs its own tokens) or a mesh with an expert axis, e.g. "
+                            f"make_mesh(expert=8)")
     overlap = set(ex_axes) & set(tp_axes) | set(tok_axes) & set(tp_axes)
     if overlap:
         raise ShardingError(f"mesh axes {sorted(overlap)} cannot split both experts/tokens and the expert width; "
@@ -314,13 +411,28 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         hierarchical = len(ex_axes) == 2
     if hierarchical and len(ex_axes) != 2:
         raise ShardingError(f"hierarchical collectives need exactly two expert axes (outer, inner), got {ex_axes}")
+    if scheme != "allgather" and not ex_axes:
+        raise ShardingError(f"scheme {scheme!r} exchanges tokens between expert-parallel devices; with tensor-"
+                            f"parallel experts only (no expert axis) use scheme 'allgather'")
+    native = False
     if scheme == "alltoall":
-        if not ex_axes:
-            raise ShardingError("scheme 'alltoall' exchanges tokens between expert-parallel devices; with tensor-"
-                                "parallel experts only (no expert axis) use scheme 'allgather'")
         C = moe_capacity(t, E, k, 1.25 if capacity_factor is None else capacity_factor)
         if (E // n) % chunks:
             raise ShardingError(f"chunks={chunks} must divide the {E // n} local experts per device for 'alltoall'")
+    elif scheme == "ragged":
+        if capacity_factor is not None:
+            raise ValueError("capacity_factor applies to scheme='alltoall' only; 'ragged' drops nothing")
+        if chunks != 1:
+            raise ValueError("chunks applies to schemes 'allgather' and 'alltoall'; 'ragged' runs in one piece")
+        if local_impl != "sorted":
+            raise ValueError("scheme 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
+                             "local_impl must be 'sorted'")
+        C = None
+        platform = mesh.devices.flat[0].platform
+        native = transport == "native" or (transport == "auto" and platform in NATIVE_RAGGED_PLATFORMS)
+        if native and platform not in NATIVE_RAGGED_PLATFORMS:
+            raise ShardingError(f"XLA on {platform!r} has no ragged all-to-all (lax.ragged_all_to_all runs on TPU "
+                                f"and GPU); use transport='padded' (or 'auto') there")
     else:
         if capacity_factor is not None:
             raise ValueError("capacity_factor applies to scheme='alltoall' only; 'allgather' drops nothing")
@@ -328,18 +440,20 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         if t % chunks:
             raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
     f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
-               gate_up_layout == "checkpoint")
+               gate_up_layout == "checkpoint", native)
     y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)
 
 
-def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None):
-    """The all-gather exchange as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
+def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None,
+                 scheme: str = "allgather", native: bool = False):
+    """The exact exchanges as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
     data-parallel step (`qwen35.serving.runner`, every device running its own rank's sequences) hands
-    `SparseMoeBlock.__call__` as `routed_fn`. Same math as `moe_ep(scheme="allgather")`, whose `shard_map` cannot
-    nest inside the step's own.
+    `SparseMoeBlock.__call__` as `routed_fn`. Same math as `moe_ep(scheme="allgather")` (or, with
+    `scheme="ragged"`, `moe_ep(scheme="ragged")`, `native` choosing `lax.ragged_all_to_all` over the padded
+    transport), whose `shard_map` cannot nest inside the step's own.
 
     x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
     tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
@@ -351,6 +465,12 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
     gate_up, down = block.experts.dequantized(x.dtype)
+    if scheme == "ragged":
+        y, _ = _ragged_body(x, weights, experts, gate_up, down, ex_axes=tuple(expert_axes), tp_axes=(),
+                            native=native, grouped_impl="auto")
+        return y
+    if scheme != "allgather":
+        raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
     impl = "dense" if block.impl == "dense" else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),

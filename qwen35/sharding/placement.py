@@ -161,7 +161,7 @@ class MeshExecution:
       `init_cache`    the dense cache placed batch-split over the mesh's batch axes;
       `call`          one jit of the model's forward with the input ids and logits batch-split.
 
-    mesh, rules (any rules table; kept as a hashable tuple of items), moe_exchange ("allgather" or "alltoall"),
+    mesh, rules (any rules table; kept as a hashable tuple of items), moe_exchange (one of `SCHEMES`),
     capacity_factor (all-to-all only), moe_chunks and gate_up_layout: `moe_ep`'s options."""
 
     mesh: Mesh
@@ -226,9 +226,13 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
                    regrouped by `tp_interleave_gate_up` when placed, down split by columns), partial outputs
                    all-reduced; with an "expert" axis too, the EP x TP hybrid.
 
+      pure DP      `make_mesh(data=8)` (a small model's natural layout): every weight replicated, the batch split;
+                   each device runs its own tokens through every expert (no exchange).
+
     The copy's `execution` (a `MeshExecution`) runs its MoE blocks through `moe_ep` with `moe_exchange`
-    "allgather" (exact) or "alltoall" (capacity `capacity_factor`, default 1.25; `num_experts / top_k` guarantees
-    no drops), in `moe_chunks` pieces; the layers themselves are the model's own.
+    "allgather" (exact), "ragged" (exact, a dropless all-to-all) or "alltoall" (capacity `capacity_factor`,
+    default 1.25; `num_experts / top_k` guarantees no drops), in `moe_chunks` pieces; the layers themselves are the
+    model's own.
     `smodel.init_cache(B, S)` gives a cache placed to match; `logits, cache = smodel(ids, cache=cache)` runs one
     jit; B must be a multiple of the batch devices (a `ShardingError` says so).
 
@@ -238,10 +242,11 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     if moe_exchange not in SCHEMES:
         raise ValueError(f"moe_exchange must be one of {SCHEMES}, got {moe_exchange!r}")
     check_mesh(model.config, mesh, rules)
-    if not mesh_axes_for("experts", mesh, rules) and not mesh_axes_for("expert_mlp", mesh, rules):
-        raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to; use e.g. "
-                            f"make_mesh(expert=8) or make_mesh(data=2, expert=4) (or TP-MoE: a 'model' axis with "
-                            f"rules_with(expert_mlp=('model',)))")
+    if moe_exchange != "allgather" and not mesh_axes_for("experts", mesh, rules):
+        raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to: the experts are "
+                            f"replicated and no tokens move, so moe_exchange={moe_exchange!r} does not apply; use "
+                            f"moe_exchange='allgather' (each device runs its own tokens through every expert) or a "
+                            f"mesh with an expert axis, e.g. make_mesh(expert=8)")
     m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
     if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
         raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "
