@@ -52,6 +52,8 @@ __all__ = [
     "chunked_gdn_reference",
     "chunked_gdn_packed",
     "chunk_gated_delta_rule_pallas",
+    "chunked_gdn_conv_packed",
+    "chunked_gdn_conv_reference",
 ]
 
 
@@ -161,6 +163,41 @@ def _nt(a, b):  # a @ bᵀ without materialising the transpose
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _chunk_step(q, k, v, g, beta, S, n_valid, *, C: int, scale: float, use_qk_l2norm: bool):
+    """One chunk of the rule for one head: q, k [C, Dk], v [C, Dv], g, beta [C, 1] (rows from n_valid on are past
+    the sequence's end and are zeroed: no decay, no write), S [Dk, Dv] float32 -> (o [C, Dv], S after the chunk),
+    both float32."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    valid = row < n_valid  # [C, 1]
+    q, k, v, g, beta = (jnp.where(valid, x.astype(jnp.float32), 0.0) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
+    q = q * scale
+
+    ii = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    lower = jj <= ii
+    G = jnp.dot(lower.astype(jnp.float32), g, preferred_element_type=jnp.float32)  # [C, 1] cumulative log-decay
+    G_row = G.T  # [1, C]
+    G_last = G[C - 1:C, :]  # [1, 1]
+    # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
+    decay = jnp.exp(jnp.where(lower, G - G_row, -jnp.inf))  # [C, C]
+    kb = k * beta
+    A = jnp.where(jj < ii, _nt(kb, k) * decay, 0.0)
+    QK = _nt(q, k) * decay
+    Minv = _neumann_inverse(A, C)
+    U = jnp.dot(Minv, v * beta, preferred_element_type=jnp.float32)  # [C, Dv]
+    Wm = jnp.dot(Minv, kb * jnp.exp(G), preferred_element_type=jnp.float32)  # [C, Dk]
+
+    v_new = U - jnp.dot(Wm, S, preferred_element_type=jnp.float32)
+    o = jnp.dot(q * jnp.exp(G), S, preferred_element_type=jnp.float32) + jnp.dot(
+        QK, v_new, preferred_element_type=jnp.float32)
+    k_dec = (k * jnp.exp(G_last - G)).T  # [Dk, C]
+    S = S * jnp.exp(G_last) + jnp.dot(k_dec, v_new, preferred_element_type=jnp.float32)
+    return o, S
+
+
 def _chunked_gdn_kernel(cu_ref, seq_ref, chunk_ref,  # scalar prefetch (SMEM)
                         q_hbm, k_hbm, v_hbm, g_hbm, b_hbm, s0_ref,  # inputs
                         o_hbm, sT_ref,  # outputs
@@ -194,39 +231,8 @@ def _chunked_gdn_kernel(cu_ref, seq_ref, chunk_ref,  # scalar prefetch (SMEM)
         for cp in copies:
             cp.wait()
 
-        row = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
-        valid = row < n_valid  # [C, 1]
-        q = jnp.where(valid, q_buf[...].astype(jnp.float32), 0.0)
-        k = jnp.where(valid, k_buf[...].astype(jnp.float32), 0.0)
-        v = jnp.where(valid, v_buf[...].astype(jnp.float32), 0.0)
-        g = jnp.where(valid, g_buf[...].astype(jnp.float32), 0.0)  # [C, 1]
-        beta = jnp.where(valid, b_buf[...].astype(jnp.float32), 0.0)
-        if use_qk_l2norm:
-            q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6)
-            k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
-        q = q * scale
-
-        ii = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-        jj = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-        lower = jj <= ii
-        G = jnp.dot(lower.astype(jnp.float32), g, preferred_element_type=jnp.float32)  # [C, 1] cumulative log-decay
-        G_row = G.T  # [1, C]
-        G_last = G[C - 1:C, :]  # [1, 1]
-        # Subtract before exponentiating: G_i - G_j <= 0 on and below the diagonal, so exp never overflows.
-        decay = jnp.exp(jnp.where(lower, G - G_row, -jnp.inf))  # [C, C]
-        kb = k * beta
-        A = jnp.where(jj < ii, _nt(kb, k) * decay, 0.0)
-        QK = _nt(q, k) * decay
-        Minv = _neumann_inverse(A, C)
-        U = jnp.dot(Minv, v * beta, preferred_element_type=jnp.float32)  # [C, Dv]
-        Wm = jnp.dot(Minv, kb * jnp.exp(G), preferred_element_type=jnp.float32)  # [C, Dk]
-
-        S = S_ref[...]
-        v_new = U - jnp.dot(Wm, S, preferred_element_type=jnp.float32)
-        o = jnp.dot(q * jnp.exp(G), S, preferred_element_type=jnp.float32) + jnp.dot(
-            QK, v_new, preferred_element_type=jnp.float32)
-        k_dec = (k * jnp.exp(G_last - G)).T  # [Dk, C]
-        S = S * jnp.exp(G_last) + jnp.dot(k_dec, v_new, preferred_element_type=jnp.float32)
+        o, S = _chunk_step(q_buf[...], k_buf[...], v_buf[...], g_buf[...], b_buf[...], S_ref[...], n_valid, C=C,
+                           scale=scale, use_qk_l2norm=use_qk_l2norm)
         S_ref[...] = S
         sT_ref[0, 0] = S
 
@@ -318,3 +324,209 @@ def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, chunk_size=64, initial_st
 
 # The recurrent rule is the independent reference the tests also compare against.
 recurrent_reference = recurrent_gated_delta_rule
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The causal conv1d fused in: raw projected q | k | v columns in, no conv output written to memory
+def _conv_chunked_gdn_kernel(cu_ref, seq_ref, chunk_ref,  # scalar prefetch (SMEM)
+                             x_hbm, w_hbm, cs_hbm, g_hbm, b_hbm, s0_ref,  # inputs
+                             o_hbm, sT_ref, ncs_hbm,  # outputs
+                             xq_buf, xk_buf, xv_buf, wq_buf, wk_buf, wv_buf, g_buf, b_buf, o_buf, S_ref, sems,
+                             *, C: int, Kc: int, rep: int, key_dim: int, scale: float, use_qk_l2norm: bool):
+    h = pl.program_id(0)
+    w = pl.program_id(1)
+    s = seq_ref[w]
+    c = chunk_ref[w]
+
+    @pl.when(c >= 0)
+    def _():
+        seq_start, seq_end = cu_ref[s], cu_ref[s + 1]
+        start = seq_start + c * C
+        n_valid = jnp.minimum(C, seq_end - start)
+        kh = jax.lax.div(h, jnp.int32(rep))
+        Dk, Dv = xq_buf.shape[1], xv_buf.shape[1]
+        groups = (  # (channel offset, x window, taps) for this head's q, k and v columns
+            (kh * Dk, xq_buf, wq_buf), (key_dim + kh * Dk, xk_buf, wk_buf), (2 * key_dim + h * Dv, xv_buf, wv_buf))
+        # x_hbm has Kc rows of apron in front: rows [start, start + Kc + C) are tokens [start - Kc, start + C).
+        copies = []
+        for i, (off, xb, wb) in enumerate(groups):
+            D = xb.shape[1]
+            copies.append(pltpu.make_async_copy(x_hbm.at[pl.ds(start, Kc + C), pl.ds(off, D)], xb, sems.at[i]))
+            copies.append(pltpu.make_async_copy(w_hbm.at[:, pl.ds(off, D)], wb, sems.at[3 + i]))
+        copies.append(pltpu.make_async_copy(g_hbm.at[pl.ds(start, C), pl.ds(h, 1)], g_buf, sems.at[6]))
+        copies.append(pltpu.make_async_copy(b_hbm.at[pl.ds(start, C), pl.ds(h, 1)], b_buf, sems.at[7]))
+        for cp in copies:
+            cp.start()
+
+        @pl.when(c == 0)
+        def _():
+            S_ref[...] = s0_ref[0, 0].astype(jnp.float32)
+
+        for cp in copies:
+            cp.wait()
+
+        @pl.when(c == 0)  # a sequence's first chunk: the history rows are its carried conv state, not the tokens
+        def _():           # before it in the packed batch
+            hist = [pltpu.make_async_copy(cs_hbm.at[s, :, pl.ds(off, xb.shape[1])], xb.at[pl.ds(0, Kc)],
+                                          sems.at[8 + i]) for i, (off, xb, _) in enumerate(groups)]
+            for cp in hist:
+                cp.start()
+            for cp in hist:
+                cp.wait()
+
+        def conv(xb, wb):  # y_t = silu(Σ_j w_j · x_{t - (Kc-1) + j}); token t sits at window row Kc + t
+            x, taps = xb[...].astype(jnp.float32), wb[...].astype(jnp.float32)
+            return jax.nn.silu(sum(x[1 + j:1 + j + C] * taps[j:j + 1] for j in range(Kc)))
+
+        q, k, v = (conv(xb, wb) for _, xb, wb in groups)
+        o, S = _chunk_step(q, k, v, g_buf[...], b_buf[...], S_ref[...], n_valid, C=C, scale=scale,
+                           use_qk_l2norm=use_qk_l2norm)
+        S_ref[...] = S
+        sT_ref[0, 0] = S
+        o_buf[...] = o.astype(o_buf.dtype)
+        writes = [pltpu.make_async_copy(o_buf, o_hbm.at[pl.ds(start, C), h], sems.at[11])]
+        # The sequence's last Kc inputs so far (window rows [n_valid, n_valid + Kc)) are its new conv state; a later
+        # chunk of the same sequence overwrites them. The q and k columns are shared by rep value heads: the first
+        # of them writes them.
+        first = jax.lax.rem(h, jnp.int32(rep)) == 0
+        for i, (off, xb, _) in enumerate(groups):
+            cp = pltpu.make_async_copy(xb.at[pl.ds(n_valid, Kc)], ncs_hbm.at[s, :, pl.ds(off, xb.shape[1])],
+                                       sems.at[12 + i])
+            if i < 2:
+                @pl.when(first)
+                def _():
+                    cp.start()
+                    cp.wait()
+            else:
+                writes.append(cp)
+        for cp in writes:
+            cp.start()
+        for cp in writes:
+            cp.wait()
+
+
+@functools.partial(jax.jit, static_argnames=("num_k_heads", "head_k_dim", "chunk_size", "scale", "use_qk_l2norm",
+                                             "interpret"))
+def _chunked_gdn_conv_packed(mixed, conv_weight, conv_state, g, beta, cu_seqlens, initial_state, *, num_k_heads,
+                             head_k_dim, chunk_size, scale, use_qk_l2norm, interpret):
+    T, conv_dim = mixed.shape
+    Hv = g.shape[1]
+    Dk = head_k_dim
+    key_dim = num_k_heads * Dk
+    Dv = (conv_dim - 2 * key_dim) // Hv
+    Kc = conv_weight.shape[-1]
+    N = cu_seqlens.shape[0] - 1
+    C = chunk_size
+    W = -(-T // C) + N
+    seq, chunk = _work_list(cu_seqlens, C, W)
+    xp = jnp.pad(mixed, ((Kc, C), (0, 0)))  # Kc rows of apron in front (history windows), C behind (last chunk)
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), ((0, C), (0, 0)))  # noqa: E731
+    cs = jnp.swapaxes(conv_state, 1, 2).astype(mixed.dtype)  # [N, Kc, conv_dim]: rows of history, like the tokens
+    kernel = functools.partial(_conv_chunked_gdn_kernel, C=C, Kc=Kc, rep=Hv // num_k_heads, key_dim=key_dim,
+                               scale=scale, use_qk_l2norm=use_qk_l2norm)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    state_spec = pl.BlockSpec((1, 1, Dk, Dv), lambda h, w, cu, sq, ch: (sq[w], h, 0, 0))
+    wdt = conv_weight.dtype
+    o, final, ncs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(Hv, W),
+            in_specs=[any_spec] * 5 + [state_spec],
+            out_specs=[any_spec, state_spec, any_spec],
+            scratch_shapes=[
+                pltpu.VMEM((Kc + C, Dk), mixed.dtype), pltpu.VMEM((Kc + C, Dk), mixed.dtype),
+                pltpu.VMEM((Kc + C, Dv), mixed.dtype), pltpu.VMEM((Kc, Dk), wdt), pltpu.VMEM((Kc, Dk), wdt),
+                pltpu.VMEM((Kc, Dv), wdt), pltpu.VMEM((C, 1), jnp.float32), pltpu.VMEM((C, 1), jnp.float32),
+                pltpu.VMEM((C, Dv), mixed.dtype), pltpu.VMEM((Dk, Dv), jnp.float32), pltpu.SemaphoreType.DMA((15,)),
+            ],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((T + C, Hv, Dv), mixed.dtype),
+                   jax.ShapeDtypeStruct((N, Hv, Dk, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((N, Kc, conv_dim), mixed.dtype)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+    )(cu_seqlens.astype(jnp.int32), seq, chunk, xp, jnp.swapaxes(conv_weight, 0, 1), cs, pad(g), pad(beta),
+      initial_state)
+    return o[:T], final, jnp.swapaxes(ncs, 1, 2)
+
+
+def _check_conv_inputs(mixed, conv_weight, g, num_k_heads, head_k_dim, conv_state, N):
+    if mixed.ndim != 2:
+        raise ValueError(f"mixed must be packed [T, conv_dim] (the raw q | k | v projections), got {mixed.shape}")
+    T, conv_dim = mixed.shape
+    if g.ndim != 2 or g.shape[0] != T:
+        raise ValueError(f"g must be [T, Hv] with T = {T}, got {tuple(g.shape)}")
+    Hv = g.shape[1]
+    rest = conv_dim - 2 * num_k_heads * head_k_dim
+    if rest <= 0 or rest % Hv:
+        raise ValueError(f"conv_dim {conv_dim} is not 2·Hk·Dk + Hv·Dv for Hk={num_k_heads}, Dk={head_k_dim}, Hv={Hv}")
+    if conv_weight.shape[0] != conv_dim:
+        raise ValueError(f"conv weight has {conv_weight.shape[0]} channels but mixed has {conv_dim}")
+    Kc = conv_weight.shape[-1]
+    if conv_state is not None and tuple(conv_state.shape) != (N, conv_dim, Kc):
+        raise ValueError(f"conv_state must be [N, conv_dim, Kc] = {(N, conv_dim, Kc)}, got {tuple(conv_state.shape)}")
+    return T, Hv, rest // Hv, Kc
+
+
+def chunked_gdn_conv_packed(mixed, conv_weight, g, beta, cu_seqlens, *, num_k_heads: int, head_k_dim: int,
+                            conv_state=None, initial_state=None, scale=None, use_qk_l2norm=True, chunk_size=64,
+                            interpret=None):
+    """The GDN prefill with its causal conv1d fused in, over a packed ragged batch, as one Pallas kernel.
+
+    mixed [T, conv_dim]: the raw projected q | k | v columns (`GatedDeltaNet.project`), conv_dim = 2·Hk·Dk + Hv·Dv;
+    conv_weight [conv_dim, Kc] (or the checkpoint's [conv_dim, 1, Kc]); g, beta [T, Hv] (`GatedDeltaNet.gates`);
+    cu_seqlens [N + 1]; conv_state [N, conv_dim, Kc] (the last Kc inputs of each sequence so far; None: zeros) and
+    initial_state [N, Hv, Dk, Dv] float32 (None: zeros). Each work item DMAs its chunk's raw columns with Kc rows
+    of history before them (the sequence's previous chunk, or its carried conv state for the first chunk), runs
+    the depthwise conv and SiLU in VMEM and goes on with the chunk's rule (`_chunk_step`): the conv's output
+    [T, conv_dim] is never written to memory nor read back. chunk_size must be >= Kc.
+    Returns (o [T, Hv, Dv] in mixed's dtype, final_state [N, Hv, Dk, Dv] float32, conv_state [N, conv_dim, Kc]:
+    the last Kc inputs of each sequence, its old state's where the sequence is shorter than Kc)."""
+    if conv_weight.ndim == 3:
+        conv_weight = conv_weight[:, 0, :]
+    cu = jnp.asarray(cu_seqlens)
+    N = cu.shape[0] - 1
+    T, Hv, Dv, Kc = _check_conv_inputs(mixed, conv_weight, g, num_k_heads, head_k_dim, conv_state, N)
+    if chunk_size < Kc:
+        raise ValueError(f"chunk_size {chunk_size} must be at least the conv width {Kc} (a chunk's history rows come "
+                         f"from the chunk before it)")
+    Dk = head_k_dim
+    dummy = jnp.zeros((T, num_k_heads, Dk), mixed.dtype)
+    check_packed_inputs(dummy, dummy, jnp.zeros((T, Hv, Dv), mixed.dtype), g, beta, cu, initial_state)
+    if conv_state is None:
+        conv_state = jnp.zeros((N, mixed.shape[1], Kc), mixed.dtype)
+    if initial_state is None:
+        initial_state = jnp.zeros((N, Hv, Dk, Dv), jnp.float32)
+    scale = float(Dk ** -0.5 if scale is None else scale)
+    return _chunked_gdn_conv_packed(mixed, conv_weight, conv_state, g, beta, cu, initial_state.astype(jnp.float32),
+                                    num_k_heads=int(num_k_heads), head_k_dim=int(Dk), chunk_size=int(chunk_size),
+                                    scale=scale, use_qk_l2norm=bool(use_qk_l2norm),
+                                    interpret=default_interpret() if interpret is None else interpret)
+
+
+def chunked_gdn_conv_reference(mixed, conv_weight, g, beta, cu_seqlens, *, num_k_heads: int, head_k_dim: int,
+                               conv_state=None, initial_state=None, scale=None, use_qk_l2norm=True, chunk_size=64):
+    """The unfused path the fused kernel replaces: `qwen35.gdn.causal_conv1d` per sequence (with its conv state),
+    the columns split into heads, then `chunked_gdn_reference`. cu_seqlens concrete. Same returns."""
+    from qwen35.gdn import causal_conv1d
+
+    cu = np.asarray(cu_seqlens, np.int64)
+    N = len(cu) - 1
+    T, Hv, Dv, Kc = _check_conv_inputs(mixed, conv_weight if conv_weight.ndim == 2 else conv_weight[:, 0],
+                                       g, num_k_heads, head_k_dim, conv_state, N)
+    if conv_state is None:
+        conv_state = jnp.zeros((N, mixed.shape[1], Kc), mixed.dtype)
+    ys, states = [], []
+    for s in range(N):
+        y, st = causal_conv1d(mixed[None, cu[s]:cu[s + 1]], conv_weight, conv_state[s:s + 1])
+        ys.append(y[0])
+        states.append(st[0])
+    y = jnp.concatenate(ys)
+    key_dim = num_k_heads * head_k_dim
+    q = y[:, :key_dim].reshape(T, num_k_heads, head_k_dim)
+    k = y[:, key_dim:2 * key_dim].reshape(T, num_k_heads, head_k_dim)
+    v = y[:, 2 * key_dim:].reshape(T, Hv, Dv)
+    o, S = chunked_gdn_reference(q, k, v, g, beta, cu, initial_state=initial_state, scale=scale,
+                                 use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+    return o, S, jnp.stack(states)

@@ -478,9 +478,10 @@ class GatedDeltaNet(nnx.Module):
 
     def _pallas_mixer(self, mixed, a, b, w, state):
         """backend="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
-        recurrent step in one kernel); anything longer through the XLA conv and the `chunk_gated_delta_rule_pallas`
-        kernel (grouped heads read in place, no repeat). Returns (o [B, T, Hv, Dv], conv_state, recurrent)."""
-        from qwen35.kernels.chunked_gdn import chunk_gated_delta_rule_pallas  # lazy: the kernels import this module
+        recurrent step in one kernel); anything longer through `chunked_gdn_conv_packed` (the causal conv fused
+        into the chunked rule: the conv's output never goes to memory; grouped heads read in place, no repeat).
+        Returns (o [B, T, Hv, Dv], conv_state, recurrent)."""
+        from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed  # lazy: the kernels import this module
         from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
 
         B, T, _ = mixed.shape
@@ -489,10 +490,11 @@ class GatedDeltaNet(nnx.Module):
                 mixed[:, 0], a[:, 0], b[:, 0], state.conv, state.recurrent, w, self.A_log[...], self.dt_bias[...],
                 num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
             return o[:, None], conv_state, rec
-        mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
-        q, k, v = self.heads(mixed, normalize=False)  # the kernel normalises q, k and reads grouped heads in place
         g, beta = self.gates(a, b)
-        o, rec = chunk_gated_delta_rule_pallas(q, k, v, g, beta, chunk_size=self.chunk_for("pallas"),
-                                               initial_state=None if state is None else state.recurrent,
-                                               use_qk_l2norm=True)
-        return o, conv_state, rec
+        flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731  (B sequences of T, back to back)
+        o, rec, conv_state = chunked_gdn_conv_packed(
+            flat(mixed), w, flat(g), flat(beta), jnp.arange(B + 1, dtype=jnp.int32) * T,
+            num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+            conv_state=None if state is None else state.conv, initial_state=None if state is None else state.recurrent,
+            use_qk_l2norm=True, chunk_size=max(self.chunk_for("pallas"), w.shape[-1]))
+        return o.reshape(B, T, self.num_v_heads, self.head_v_dim), conv_state, rec

@@ -13,7 +13,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from qwen35.config import tiny
 from qwen35.gdn import GatedDeltaNet, recurrent_gated_delta_rule
-from qwen35.kernels.chunked_gdn import chunked_gdn_packed, chunked_gdn_reference
+from qwen35.kernels.chunked_gdn import (chunked_gdn_conv_packed, chunked_gdn_conv_reference, chunked_gdn_packed,
+                                        chunked_gdn_reference)
 from qwen35.kernels.fused_gdn_decode import fused_gdn_decode, fused_gdn_decode_reference
 
 RACES = pltpu.InterpretParams(detect_races=True)
@@ -118,6 +119,57 @@ def test_chunked_gdn_lowers_for_tpu(dtype):
     exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
         sds((T, Hk, D), dtype), sds((T, Hk, D), dtype), sds((T, Hv, D), dtype), sds((T, Hv), jnp.float32),
         sds((T, Hv), jnp.float32), sds((N + 1,), jnp.int32), sds((N, Hv, D, D), jnp.float32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The causal conv fused into the chunked kernel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_conv_fused_chunked_gdn_matches_conv_then_rule(rng, dtype):
+    """Raw q | k | v columns in, against `causal_conv1d` per sequence then the chunked rule: ragged lengths (an
+    empty prompt, prompts shorter than the conv width 4, one spanning three chunks), carried conv and recurrent
+    states, grouped heads; the new conv state is each sequence's last 4 inputs (partly the old state's for the
+    short ones)."""
+    lens, Hk, Hv, Dk, Dv, Kc, C = [5, 0, 2, 17, 3], 1, 2, 16, 8, 4, 8
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    T, N, cd = int(cu[-1]), len(lens), 2 * Hk * Dk + Hv * Dv
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    mixed, w, cs, S0 = f(T, cd).astype(dtype), 0.5 * f(cd, Kc), f(N, cd, Kc).astype(dtype), f(N, Hv, Dk, Dv)
+    g = -jnp.asarray(rng.uniform(0.01, 1.5, (T, Hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (T, Hv)), jnp.float32)
+    kw = dict(num_k_heads=Hk, head_k_dim=Dk, conv_state=cs, initial_state=S0, chunk_size=C)
+    o, S, ncs = chunked_gdn_conv_packed(mixed, w, g, beta, jnp.asarray(cu), interpret=RACES, **kw)
+    assert_no_races()
+    ro, rS, rcs = chunked_gdn_conv_reference(mixed, w, g, beta, cu, **kw)
+    assert o.dtype == ncs.dtype == dtype and S.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(ncs, np.float32), np.asarray(rcs, np.float32))  # copies, no math
+    np.testing.assert_array_equal(np.asarray(ncs[1]), np.asarray(cs[1]))  # the empty prompt keeps its state
+    # The kernel convolves in float32; the reference in the activations' dtype (bf16 rounds each conv output).
+    terms = rule_terms(max(lens), Dk, C) + Kc
+    ro32 = np.asarray(ro, np.float32)
+    atol = (fp32_tol(np.max(np.abs(ro32)), terms) if dtype == jnp.float32
+            else 8 * BF16_EPS * max(1.0, np.max(np.abs(ro32))))
+    assert_close(np.asarray(o, np.float32), ro32, atol=atol, name="o")
+    if dtype == jnp.float32:
+        assert_close(S, rS, terms=terms, name="state")
+    with pytest.raises(ValueError, match="chunk_size 2 must be at least the conv width 4"):
+        chunked_gdn_conv_packed(mixed, w, g, beta, jnp.asarray(cu), **(kw | dict(chunk_size=2)))
+    with pytest.raises(ValueError, match="conv_state must be"):
+        chunked_gdn_conv_packed(mixed, w, g, beta, jnp.asarray(cu), **(kw | dict(conv_state=cs[:, :, :3])))
+
+
+@pytest.mark.timeout(120)
+def test_conv_fused_chunked_gdn_lowers_for_tpu():
+    T, Hk, Hv, D, N, Kc = 512, 2, 4, 128, 3, 4
+    cd = 2 * Hk * D + Hv * D
+    sds = jax.ShapeDtypeStruct
+    f = lambda x, w, g, b, cu, cs, s0: chunked_gdn_conv_packed(  # noqa: E731
+        x, w, g, b, cu, num_k_heads=Hk, head_k_dim=D, conv_state=cs, initial_state=s0, chunk_size=64,
+        interpret=False)
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+        sds((T, cd), jnp.bfloat16), sds((cd, Kc), jnp.bfloat16), sds((T, Hv), jnp.float32), sds((T, Hv), jnp.float32),
+        sds((N + 1,), jnp.int32), sds((N, cd, Kc), jnp.bfloat16), sds((N, Hv, D, D), jnp.float32))
     assert "tpu_custom_call" in exp.mlir_module()
 
 

@@ -275,7 +275,8 @@ def test_moe_ep_ragged_is_dropless_under_skewed_routing(mesh_name, rng):
     exchange sends every slot and equals the single-device MoE."""
     x, w, e, gu, dn = _routed_inputs(rng, skew=3.0)
     axes, kw = {"expert8": (dict(expert=8), {}), "data2_expert4": (dict(data=2, expert=4), {}),
-                "chip_core": (dict(chip=4, core=2), {}), "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP))}[mesh_name]
+                "chip_core": (dict(chip=4, core=2), {}),
+                "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP))}[mesh_name]
     mesh = S.make_mesh(**axes)
     if not kw:
         _, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="alltoall", capacity_factor=1.0, return_stats=True)

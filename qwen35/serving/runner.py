@@ -20,8 +20,8 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
                     starts from zero state, so recycled blocks need no clearing. With `backend == "pallas"` the
                     decode rows go through `fused_gdn_decode` (conv, gates and step in one kernel) and the prefill
-                    block through `chunk_gated_delta_rule_pallas`; the rows' states are gathered into a dense block
-                    before the kernels and written back after (the kernels take dense [B, ...] states).
+                    block through `chunked_gdn_conv_packed` (conv fused in); the rows' states are gathered into a
+                    dense block before the kernels and written back after (the kernels take dense [B, ...] states).
                     Why not by index, as tpu-inference's kernels address their state pool: the one pool keeps a
                     layer's state as `layer_units` units spread over the slot's state blocks (float32 as 16-bit
                     pairs in a bf16 pool), so a kernel would DMA it unit by unit from prefetched block ids and
@@ -274,19 +274,23 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
         c0, s0 = conv0[r], rec0[r]
         valid = b.gather_valid
         xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
-        yb, _ = causal_conv1d(xb, w, c0)
         hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
         take = jnp.sum(valid, axis=1)[:, None] + jnp.arange(Kc)[None, :]  # the last Kc real inputs
         conv_pf = jnp.swapaxes(jnp.take_along_axis(hist, take[..., None], axis=1), 1, 2)
         gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
         betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
-        if pallas:  # the chunked kernel: grouped key heads read in place, q and k normalised inside
-            from qwen35.kernels.chunked_gdn import chunk_gated_delta_rule_pallas
+        if pallas:  # the conv fused into the chunked kernel (its output never in memory): the Sp rows back to back,
+            # Lb tokens each (padding steps are no-ops for the rule; the conv state comes from `take` above)
+            from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
 
-            qb, kb, vb = gdn.heads(yb, normalize=False)
-            o_pf, rec_pf = chunk_gated_delta_rule_pallas(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for("pallas"),
-                                                         initial_state=s0, use_qk_l2norm=True)
+            flat = lambda t: t.reshape(Sp * Lb, *t.shape[2:])  # noqa: E731
+            o_pf, rec_pf, _ = chunked_gdn_conv_packed(
+                flat(xb), w, flat(gb), flat(betab), jnp.arange(Sp + 1, dtype=jnp.int32) * Lb,
+                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, conv_state=c0, initial_state=s0,
+                use_qk_l2norm=True, chunk_size=max(gdn.chunk_for("pallas"), Kc))
+            o_pf = o_pf.reshape(Sp, Lb, gdn.num_v_heads, gdn.head_v_dim)
         else:
+            yb, _ = causal_conv1d(xb, w, c0)
             qb, kb, vb = gdn.heads(yb)
             o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
                                                   initial_state=s0)
