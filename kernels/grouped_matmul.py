@@ -42,7 +42,8 @@ from qwen35.config import FP8_BLOCK
 from qwen35.kernels.ragged_paged_attention import default_interpret
 
 __all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
-           "group_metadata", "gmm_cost", "expand_fp8_scales"]
+           "group_metadata", "gmm_cost", "expand_fp8_scales", "quantize_fp8_activations",
+           "dequantize_fp8_activations", "expand_act_scales", "grouped_swiglu_w8a8_reference", "ACT_BLOCK"]
 
 
 def _check(x_sorted, group_sizes, gate_up, down):
@@ -107,8 +108,13 @@ def _weight_tile(w_ref, x):
 
 def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref, u_ref, *rest):
     """rest = (o_ref, acc_g, acc_u), or with FP8 weights (sg_ref, su_ref, o_ref, acc_g, acc_u): the [1, ti] scales
-    of this step's 128-wide block, which multiply its partial products."""
-    sg_ref, su_ref, o_ref, acc_g, acc_u = rest if len(rest) == 5 else (None, None, *rest)
+    of this step's 128-wide block, which multiply its partial products; with FP8 activations too (sg_ref, su_ref,
+    xs_ref, o_ref, acc_g, acc_u): xs_ref [tm, 1], each row's scale for this block (W8A8: FP8 x FP8 on the MXU)."""
+    xs_ref = None
+    if len(rest) == 6:
+        sg_ref, su_ref, xs_ref, o_ref, acc_g, acc_u = rest
+    else:
+        sg_ref, su_ref, o_ref, acc_g, acc_u = rest if len(rest) == 5 else (None, None, *rest)
     v, k = pl.program_id(1), pl.program_id(2)
     tm = x_ref.shape[0]
 
@@ -125,6 +131,8 @@ def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref,
         pu = jax.lax.dot_general(x, _weight_tile(u_ref, x), nt, preferred_element_type=jnp.float32)
         if sg_ref is not None:
             pg, pu = pg * sg_ref[...], pu * su_ref[...]
+        if xs_ref is not None:
+            pg, pu = pg * xs_ref[...], pu * xs_ref[...]
         acc_g[...] += pg
         acc_u[...] += pu
 
@@ -136,8 +144,13 @@ def _gmm_swiglu_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, g_ref,
 
 
 def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, *rest):
-    """rest = (o_ref, acc), or with FP8 weights (s_ref, o_ref, acc)."""
-    s_ref, o_ref, acc = rest if len(rest) == 3 else (None, *rest)
+    """rest = (o_ref, acc), or with FP8 weights (s_ref, o_ref, acc), or with FP8 activations too (s_ref, xs_ref,
+    o_ref, acc)."""
+    xs_ref = None
+    if len(rest) == 4:
+        s_ref, xs_ref, o_ref, acc = rest
+    else:
+        s_ref, o_ref, acc = rest if len(rest) == 3 else (None, *rest)
     v, k = pl.program_id(1), pl.program_id(2)
     tm = x_ref.shape[0]
 
@@ -150,6 +163,8 @@ def _gmm_kernel(offsets_ref, group_ref, tile_ref, nvis_ref, x_ref, w_ref, *rest)
         x = x_ref[...]
         p = jax.lax.dot_general(x, _weight_tile(w_ref, x), (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)
+        if xs_ref is not None:
+            p = p * xs_ref[...]
         acc[...] += p * s_ref[...] if s_ref is not None else p
 
         @pl.when(k == pl.num_programs(2) - 1)
@@ -164,6 +179,54 @@ def expand_fp8_scales(scale_inv, rows: int) -> jax.Array:
     kernels read the (1, t) row of the current K block."""
     s = jnp.repeat(scale_inv.astype(jnp.float32), FP8_BLOCK, axis=1)[:, :rows, :]  # [E, N, Kb]
     return jnp.swapaxes(s, 1, 2)[:, :, None, :]
+
+
+ACT_BLOCK = 512  # columns per activation scale (the Ironwood post's "512 sub-channel" quantisation)
+E4M3_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8_activations(x, block: int = ACT_BLOCK):
+    """x [M, K] -> (q float8_e4m3fn [M, K], scale [M, K/block] float32): per row and `block`-wide group of columns,
+    scale = amax / 448 (1 for an all-zero group) and q = x / scale, so q·scale is x to e4m3's 3 mantissa bits."""
+    M, K = x.shape
+    if K % block:
+        raise ValueError(f"activation quantisation needs K a multiple of {block}, got K={K}")
+    xb = x.astype(jnp.float32).reshape(M, K // block, block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = jnp.clip(xb / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(M, K), scale
+
+
+def dequantize_fp8_activations(q, scale, block: int = ACT_BLOCK):
+    """The inverse of `quantize_fp8_activations`, in float32."""
+    M, K = q.shape
+    return (q.astype(jnp.float32).reshape(M, K // block, block) * scale[..., None]).reshape(M, K)
+
+
+def expand_act_scales(scale, block: int = ACT_BLOCK) -> jax.Array:
+    """Activation scales [M, K/block] -> [K/128, M, 1]: for each 128-wide step of the contraction, every row's scale
+    (its block's, repeated block/128 times), read by the kernels as a (tm, 1) column."""
+    s = jnp.repeat(scale.astype(jnp.float32), block // FP8_BLOCK, axis=1)  # [M, K/128]
+    return jnp.swapaxes(s, 0, 1)[:, :, None]
+
+
+def grouped_swiglu_w8a8_reference(x_sorted, group_sizes, gate_up, down, gate_up_scale, down_scale,
+                                  block: int = ACT_BLOCK) -> jax.Array:
+    """W8A8 written plainly: each row's expert found from group_sizes, the FP8 weights dequantised, x quantised and
+    dequantised per 512-block (`quantize_fp8_activations`), the SwiGLU output likewise, all products in float32."""
+    from qwen35.moe import fp8_dequantize
+
+    M = x_sorted.shape[0]
+    E = gate_up.shape[0]
+    eid = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=M)  # each row's expert
+    gu = fp8_dequantize(gate_up, gate_up_scale, jnp.float32)[eid]  # [M, 2I, H]
+    dn = fp8_dequantize(down, down_scale, jnp.float32)[eid]  # [M, H, I]
+    x = dequantize_fp8_activations(*quantize_fp8_activations(x_sorted, block), block)
+    hp = jax.lax.Precision.HIGHEST
+    g, u = jnp.split(jnp.einsum("mh,mih->mi", x, gu, precision=hp), 2, axis=-1)
+    a = dequantize_fp8_activations(*quantize_fp8_activations(jax.nn.silu(g) * u, block), block)
+    return jnp.einsum("mi,mhi->mh", a, dn, precision=hp).astype(x_sorted.dtype)
 
 
 def _tiles(name, size, t):
@@ -184,10 +247,11 @@ def _params(interpret):
                 interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("tm", "ti", "tk", "interpret"))
-def gmm_swiglu(x_padded, meta, gate_up, scales=None, *, tm, ti, tk, interpret):
+@functools.partial(jax.jit, static_argnames=("tm", "ti", "tk", "interpret", "out_dtype"))
+def gmm_swiglu(x_padded, meta, gate_up, scales=None, x_scales=None, *, tm, ti, tk, interpret, out_dtype=None):
     """x_padded [Mp, H] (Mp a multiple of tm) -> silu(x G_eᵀ) ⊙ (x U_eᵀ) [Mp, I] per row's expert. With `scales`
-    (`expand_fp8_scales` of gate_up's, [E, H/128, 1, 2I]) gate_up is FP8 and tk must be 128."""
+    (`expand_fp8_scales` of gate_up's, [E, H/128, 1, 2I]) gate_up is FP8 and tk must be 128; with `x_scales`
+    (`expand_act_scales`, [H/128, Mp, 1]) x is FP8 too. out_dtype: default x's."""
     Mp, H = x_padded.shape
     E, I2, _ = gate_up.shape
     I = I2 // 2
@@ -204,6 +268,9 @@ def gmm_swiglu(x_padded, meta, gate_up, scales=None, *, tm, ti, tk, interpret):
         in_specs += [pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)),
                      pl.BlockSpec((None, None, 1, ti), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n + nI))]
         args += [scales, scales]
+    if x_scales is not None:
+        in_specs.append(pl.BlockSpec((None, tm, 1), lambda n, v, k, off, grp, til, nv: (k, til[v], 0)))
+        args.append(x_scales)
     return pl.pallas_call(
         _gmm_swiglu_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -213,15 +280,16 @@ def gmm_swiglu(x_padded, meta, gate_up, scales=None, *, tm, ti, tk, interpret):
             out_specs=pl.BlockSpec((tm, ti), lambda n, v, k, off, grp, til, nv: (til[v], n)),
             scratch_shapes=[pltpu.VMEM((tm, ti), jnp.float32), pltpu.VMEM((tm, ti), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((Mp, I), x_padded.dtype),
+        out_shape=jax.ShapeDtypeStruct((Mp, I), out_dtype or x_padded.dtype),
         **_params(interpret),
     )(*meta, *args)
 
 
-@functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret"))
-def gmm(a_padded, meta, w, scales=None, *, tm, tn, tk, interpret):
+@functools.partial(jax.jit, static_argnames=("tm", "tn", "tk", "interpret", "out_dtype"))
+def gmm(a_padded, meta, w, scales=None, x_scales=None, *, tm, tn, tk, interpret, out_dtype=None):
     """a_padded [Mp, K] x w [E, N, K] (each row by its expert's w_e, contracting K) -> [Mp, N]. With `scales`
-    (`expand_fp8_scales` of w's, [E, K/128, 1, N]) w is FP8 and tk must be 128."""
+    (`expand_fp8_scales` of w's, [E, K/128, 1, N]) w is FP8 and tk must be 128; with `x_scales`
+    (`expand_act_scales`, [K/128, Mp, 1]) a is FP8 too. out_dtype: default a's."""
     Mp, K = a_padded.shape
     E, N, _ = w.shape
     V = meta[1].shape[0]
@@ -234,6 +302,9 @@ def gmm(a_padded, meta, w, scales=None, *, tm, tn, tk, interpret):
         assert tk == FP8_BLOCK, tk
         in_specs.append(pl.BlockSpec((None, None, 1, tn), lambda n, v, k, off, grp, til, nv: (grp[v], k, 0, n)))
         args.append(scales)
+    if x_scales is not None:
+        in_specs.append(pl.BlockSpec((None, tm, 1), lambda n, v, k, off, grp, til, nv: (k, til[v], 0)))
+        args.append(x_scales)
     return pl.pallas_call(
         _gmm_kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -243,13 +314,14 @@ def gmm(a_padded, meta, w, scales=None, *, tm, tn, tk, interpret):
             out_specs=pl.BlockSpec((tm, tn), lambda n, v, k, off, grp, til, nv: (til[v], n)),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((Mp, N), a_padded.dtype),
+        out_shape=jax.ShapeDtypeStruct((Mp, N), out_dtype or a_padded.dtype),
         **_params(interpret),
     )(*meta, *args)
 
 
 def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: int | None = 512,
-                   th: int | None = 512, gate_up_scale=None, down_scale=None, interpret=None) -> jax.Array:
+                   th: int | None = 512, gate_up_scale=None, down_scale=None, act_fp8: bool = False,
+                   interpret=None) -> jax.Array:
     """Pallas grouped SwiGLU: same arguments and result as `grouped_swiglu_reference` (and
     `qwen35.moe.grouped_swiglu`). x_sorted [M, H], group_sizes [E], gate_up [E, 2I, H], down [E, H, I] -> [M, H].
 
@@ -260,6 +332,12 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     FP8 experts: gate_up and down float8_e4m3fn with their 128x128 block scales `gate_up_scale` [E, 2I/128,
     H/128] and `down_scale` [E, H/128, I/128] (both or neither); the result is that of the dequantised weights.
     H and I must be multiples of 128; the contraction runs in 128-wide steps (th then tiles only the output).
+
+    W8A8 (`act_fp8=True`, FP8 experts only): the activations are quantised too, x before the gate/up projection and
+    the SwiGLU output before the down projection, each per row and 512-wide block of its columns
+    (`quantize_fp8_activations`, e4m3 with fp32 scales; H and I multiples of 512), so both operands of every
+    matmul are FP8 and the MXU runs at its FP8 rate. Each 128-wide step's partial product is scaled by its row's
+    activation scale and its column's weight scale. The result is `grouped_swiglu_w8a8_reference`'s.
     """
     x_sorted, group_sizes, gate_up, down = (jnp.asarray(t) for t in (x_sorted, group_sizes, gate_up, down))
     E, H, I = _check(x_sorted, group_sizes, gate_up, down)
@@ -273,6 +351,11 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None):
         raise ValueError("pass both gate_up_scale and down_scale (FP8 experts) or neither")
+    if act_fp8 and not fp8:
+        raise ValueError("act_fp8 (W8A8) needs FP8 experts: pass gate_up_scale and down_scale")
+    if act_fp8 and (H % ACT_BLOCK or I % ACT_BLOCK):
+        raise ValueError(f"W8A8 quantises activations in {ACT_BLOCK}-wide blocks: H and I must be multiples of "
+                         f"{ACT_BLOCK}, got H={H}, I={I}")
     if fp8:
         if H % FP8_BLOCK or I % FP8_BLOCK:
             raise ValueError(f"the FP8 kernels need H and I to be multiples of {FP8_BLOCK}, got H={H}, I={I}; "
@@ -289,6 +372,14 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     Mp = -(-M // tm) * tm
     meta = group_metadata(group_sizes, M, tm)
     x_p = jnp.pad(x_sorted, ((0, Mp - M), (0, 0)))
+    if act_fp8:  # W8A8: FP8 x FP8 products, each 128-wide step scaled by row (activation) and column (weight)
+        xq, xs = quantize_fp8_activations(x_p)
+        a = gmm_swiglu(xq, meta, gate_up, expand_fp8_scales(gate_up_scale, 2 * I), expand_act_scales(xs), tm=tm,
+                       ti=ti, tk=FP8_BLOCK, interpret=interpret, out_dtype=jnp.float32)
+        aq, as_ = quantize_fp8_activations(a)
+        y = gmm(aq, meta, down, expand_fp8_scales(down_scale, H), expand_act_scales(as_), tm=tm, tn=th,
+                tk=FP8_BLOCK, interpret=interpret, out_dtype=dtype)
+        return y[:M]
     if fp8:  # FP8 tiles straight from HBM, converted in VMEM; contraction in 128-wide scale blocks
         a = gmm_swiglu(x_p, meta, gate_up, expand_fp8_scales(gate_up_scale, 2 * I), tm=tm, ti=ti, tk=FP8_BLOCK,
                        interpret=interpret)

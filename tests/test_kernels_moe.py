@@ -12,8 +12,9 @@ import pytest
 from helpers import BF16_EPS, assert_close, moe_terms
 from pallas_helpers import RACES, clean_interpreter, races_found  # noqa: F401 (autouse fixture)
 
-from qwen35.kernels.grouped_matmul import (experts_sorted_pallas, group_metadata, grouped_swiglu,
-                                           grouped_swiglu_reference)
+from qwen35.kernels.grouped_matmul import (dequantize_fp8_activations, experts_sorted_pallas, group_metadata,
+                                           grouped_swiglu, grouped_swiglu_reference, grouped_swiglu_w8a8_reference,
+                                           quantize_fp8_activations)
 from qwen35.kernels.permute import permute, permute_reference, unpermute, unpermute_reference
 from qwen35.moe import experts_dense, sort_by_expert
 from qwen35.moe import grouped_swiglu as grouped_swiglu_xla
@@ -159,6 +160,48 @@ def test_grouped_swiglu_fp8_reads_fp8_tiles_and_matches_dequantised():
         grouped_swiglu(x[:, :40], gs, gq[:, :, :40], dq[:, :40], gate_up_scale=gsc, down_scale=dsc)
 
 
+def test_fp8_activation_quantisation_per_512_block():
+    """One scale per row and 512 columns: amax / 448, so the largest value of each block lands on e4m3's maximum;
+    each value comes back to within half an e4m3 step (3 mantissa bits: 2^-4 relative) of its block's scale."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 1024)).astype(np.float32) * np.array([1.0, 100.0])[None].repeat(512, 1)
+    x[2, :512] = 0.0  # an all-zero block: scale 1, values 0
+    q, scale = quantize_fp8_activations(jnp.asarray(x))
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (4, 2)
+    want = np.abs(x).reshape(4, 2, 512).max(-1) / 448.0
+    np.testing.assert_allclose(np.asarray(scale), np.where(want > 0, want, 1.0), rtol=1e-6)
+    back = np.asarray(dequantize_fp8_activations(q, scale))
+    err = np.abs(back - x).reshape(4, 2, 512)
+    assert np.all(err <= 2.0 ** -4 * np.abs(x).reshape(4, 2, 512) + np.asarray(scale)[..., None] * 2.0 ** -9)
+    with pytest.raises(ValueError, match="multiple of 512"):
+        quantize_fp8_activations(jnp.zeros((2, 640)))
+
+
+@pytest.mark.timeout(240)
+def test_grouped_swiglu_w8a8_matches_its_reference_and_costs_a_few_percent():
+    """FP8 activations x FP8 weights (512-wide activation scales, 128x128 weight scales), an empty group and groups
+    straddling tiles: the kernels equal the plain W8A8 reference. The kernel and the reference compute the SwiGLU
+    output in float32 in different orders before quantising it, so an element may round to the neighbouring e4m3
+    value in one of them: most outputs agree to float32 rounding, none by more than a few such steps. Against
+    FP8 weights with float32 activations (W8A16) the error is the activations' rounding, a few percent."""
+    rng = np.random.default_rng(10)
+    Ef, Hf, If, Mf = 3, 512, 512, 40
+    gs = np.array([17, 0, 23], np.int32)
+    (gq, gsc, dq, dsc), (gu, dn) = fp8_weights(rng, Ef, Hf, If)
+    x = rng.standard_normal((Mf, Hf)).astype(np.float32)
+    out = np.asarray(grouped_swiglu(x, gs, gq, dq, tm=16, gate_up_scale=gsc, down_scale=dsc, act_fp8=True,
+                                    interpret=RACES))
+    assert not races_found(), "the race detector flagged a W8A8 kernel"
+    ref = np.asarray(grouped_swiglu_w8a8_reference(jnp.asarray(x), jnp.asarray(gs), gq, dq, gsc, dsc))
+    diff, top = np.abs(out - ref), np.max(np.abs(ref))
+    assert np.median(diff) <= 1e-5 * top and diff.max() <= 0.02 * top, (np.median(diff), diff.max(), top)
+    w8a16 = np.asarray(grouped_swiglu_reference(x, gs, gu, dn))
+    rel = np.linalg.norm(ref - w8a16) / np.linalg.norm(w8a16)
+    assert 0.005 < rel < 0.1, rel  # e4m3 keeps 3 mantissa bits: activations rounded twice, a few percent
+    with pytest.raises(ValueError, match="needs FP8 experts"):
+        grouped_swiglu(x, gs, gu, dn, act_fp8=True)
+
+
 @pytest.mark.timeout(240)
 def test_moe_block_with_fp8_experts_on_the_kernels():
     """`SparseMoeBlock` with FP8 experts and backend "pallas" hands the FP8 weights and scales to the kernels;
@@ -199,6 +242,11 @@ def test_moe_kernels_lower_for_tpu():
          (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), bf), sd((Er, Hr, Ir), bf))),
         (lambda x, g, gu, d, gs, ds: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, gate_up_scale=gs,
                                                      down_scale=ds, interpret=False),
+         (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), jnp.float8_e4m3fn),
+          sd((Er, Hr, Ir), jnp.float8_e4m3fn), sd((Er, 2 * Ir // 128, Hr // 128), jnp.float32),
+          sd((Er, Hr // 128, Ir // 128), jnp.float32))),
+        (lambda x, g, gu, d, gs, ds: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, gate_up_scale=gs,
+                                                     down_scale=ds, act_fp8=True, interpret=False),
          (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), jnp.float8_e4m3fn),
           sd((Er, Hr, Ir), jnp.float8_e4m3fn), sd((Er, 2 * Ir // 128, Hr // 128), jnp.float32),
           sd((Er, Hr // 128, Ir // 128), jnp.float32))),
