@@ -198,21 +198,25 @@ def _chunk_step(q, k, v, g, beta, S, n_valid, *, C: int, scale: float, use_qk_l2
     return o, S
 
 
+def _work_item(cu_ref, seq_ref, chunk_ref, C: int):
+    """Work item w = program_id(1): (sequence s, chunk c (-1: past the end, skip), its first token, its rows that
+    belong to the sequence)."""
+    w = pl.program_id(1)
+    s, c = seq_ref[w], chunk_ref[w]
+    start = cu_ref[s] + c * C
+    return s, c, start, jnp.minimum(C, cu_ref[s + 1] - start)
+
+
 def _chunked_gdn_kernel(cu_ref, seq_ref, chunk_ref,  # scalar prefetch (SMEM)
                         q_hbm, k_hbm, v_hbm, g_hbm, b_hbm, s0_ref,  # inputs
                         o_hbm, sT_ref,  # outputs
                         q_buf, k_buf, v_buf, g_buf, b_buf, o_buf, S_ref, sems,  # scratch
                         *, C: int, rep: int, scale: float, use_qk_l2norm: bool):
     h = pl.program_id(0)
-    w = pl.program_id(1)
-    s = seq_ref[w]
-    c = chunk_ref[w]
+    s, c, start, n_valid = _work_item(cu_ref, seq_ref, chunk_ref, C)
 
     @pl.when(c >= 0)
     def _():
-        seq_start, seq_end = cu_ref[s], cu_ref[s + 1]
-        start = seq_start + c * C
-        n_valid = jnp.minimum(C, seq_end - start)
         kh = jax.lax.div(h, jnp.int32(rep))  # (a plain // lowers through sign() on TPU)
         copies = [
             pltpu.make_async_copy(q_hbm.at[pl.ds(start, C), kh], q_buf, sems.at[0]),
@@ -334,15 +338,10 @@ def _conv_chunked_gdn_kernel(cu_ref, seq_ref, chunk_ref,  # scalar prefetch (SME
                              xq_buf, xk_buf, xv_buf, wq_buf, wk_buf, wv_buf, g_buf, b_buf, o_buf, S_ref, sems,
                              *, C: int, Kc: int, rep: int, key_dim: int, scale: float, use_qk_l2norm: bool):
     h = pl.program_id(0)
-    w = pl.program_id(1)
-    s = seq_ref[w]
-    c = chunk_ref[w]
+    s, c, start, n_valid = _work_item(cu_ref, seq_ref, chunk_ref, C)
 
     @pl.when(c >= 0)
     def _():
-        seq_start, seq_end = cu_ref[s], cu_ref[s + 1]
-        start = seq_start + c * C
-        n_valid = jnp.minimum(C, seq_end - start)
         kh = jax.lax.div(h, jnp.int32(rep))
         Dk, Dv = xq_buf.shape[1], xv_buf.shape[1]
         groups = (  # (channel offset, x window, taps) for this head's q, k and v columns

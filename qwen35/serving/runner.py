@@ -61,7 +61,7 @@ from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from
                                   to_pool, write_state)
 from qwen35.serving.sampling import sample
 from qwen35.sharding import moe_ep_local
-from qwen35.sharding.exchange import NATIVE_RAGGED_PLATFORMS
+from qwen35.sharding.exchange import native_ragged
 
 __all__ = ["StepBatch", "padding_batch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
            "LayerwiseStep"]
@@ -400,8 +400,8 @@ class DataParallel(NamedTuple):
         return jax.sharding.NamedSharding(self.mesh, self.spec())
 
     def routed_fn(self):
-        native = self.mesh.devices.flat[0].platform in NATIVE_RAGGED_PLATFORMS
-        return functools.partial(moe_ep_local, expert_axes=self.expert_axes, scheme=self.scheme, native=native)
+        return functools.partial(moe_ep_local, expert_axes=self.expert_axes, scheme=self.scheme,
+                                 native=native_ragged(self.mesh))
 
 
 def _leaf_spec(a, dp: DataParallel) -> P:

@@ -25,6 +25,11 @@ TRANSPORTS = ("auto", "native", "padded")
 NATIVE_RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
 
+def native_ragged(mesh: Mesh) -> bool:
+    """Whether `mesh`'s devices run `lax.ragged_all_to_all` natively (else the padded transport stands in)."""
+    return mesh.devices.flat[0].platform in NATIVE_RAGGED_PLATFORMS
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Packed routing metadata: expert ids and weights in one int32 array, so one all-gather moves both
 def pack_routing(experts: jax.Array, weights: jax.Array) -> jax.Array:
@@ -428,10 +433,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
             raise ValueError("scheme 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
                              "local_impl must be 'sorted'")
         C = None
-        platform = mesh.devices.flat[0].platform
-        native = transport == "native" or (transport == "auto" and platform in NATIVE_RAGGED_PLATFORMS)
-        if native and platform not in NATIVE_RAGGED_PLATFORMS:
-            raise ShardingError(f"XLA on {platform!r} has no ragged all-to-all (lax.ragged_all_to_all runs on TPU "
+        native = transport == "native" or (transport == "auto" and native_ragged(mesh))
+        if native and not native_ragged(mesh):
+            raise ShardingError(f"XLA on {mesh.devices.flat[0].platform!r} has no ragged all-to-all (lax.ragged_all_to_all runs on TPU "
                                 f"and GPU); use transport='padded' (or 'auto') there")
     else:
         if capacity_factor is not None:
