@@ -38,8 +38,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.config import FP8_BLOCK
+from qwen35.config import ACT_BLOCK, FP8_BLOCK
 from qwen35.kernels.ragged_paged_attention import default_interpret
+from qwen35.moe import (_check_routed, dequantize_fp8_activations, fp8_dequantize, fp8_round_activations,
+                        quantize_fp8_activations, sort_by_expert)
 
 __all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
            "group_metadata", "gmm_cost", "expand_fp8_scales", "quantize_fp8_activations",
@@ -181,29 +183,6 @@ def expand_fp8_scales(scale_inv, rows: int) -> jax.Array:
     return jnp.swapaxes(s, 1, 2)[:, :, None, :]
 
 
-ACT_BLOCK = 512  # columns per activation scale (the Ironwood post's "512 sub-channel" quantisation)
-E4M3_MAX = 448.0  # the largest float8_e4m3fn
-
-
-def quantize_fp8_activations(x, block: int = ACT_BLOCK):
-    """x [M, K] -> (q float8_e4m3fn [M, K], scale [M, K/block] float32): per row and `block`-wide group of columns,
-    scale = amax / 448 (1 for an all-zero group) and q = x / scale, so q·scale is x to e4m3's 3 mantissa bits."""
-    M, K = x.shape
-    if K % block:
-        raise ValueError(f"activation quantisation needs K a multiple of {block}, got K={K}")
-    xb = x.astype(jnp.float32).reshape(M, K // block, block)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = jnp.clip(xb / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(M, K), scale
-
-
-def dequantize_fp8_activations(q, scale, block: int = ACT_BLOCK):
-    """The inverse of `quantize_fp8_activations`, in float32."""
-    M, K = q.shape
-    return (q.astype(jnp.float32).reshape(M, K // block, block) * scale[..., None]).reshape(M, K)
-
-
 def expand_act_scales(scale, block: int = ACT_BLOCK) -> jax.Array:
     """Activation scales [M, K/block] -> [K/128, M, 1]: for each 128-wide step of the contraction, every row's scale
     (its block's, repeated block/128 times), read by the kernels as a (tm, 1) column."""
@@ -215,17 +194,15 @@ def grouped_swiglu_w8a8_reference(x_sorted, group_sizes, gate_up, down, gate_up_
                                   block: int = ACT_BLOCK) -> jax.Array:
     """W8A8 written plainly: each row's expert found from group_sizes, the FP8 weights dequantised, x quantised and
     dequantised per 512-block (`quantize_fp8_activations`), the SwiGLU output likewise, all products in float32."""
-    from qwen35.moe import fp8_dequantize
-
     M = x_sorted.shape[0]
     E = gate_up.shape[0]
     eid = jnp.repeat(jnp.arange(E), group_sizes, total_repeat_length=M)  # each row's expert
     gu = fp8_dequantize(gate_up, gate_up_scale, jnp.float32)[eid]  # [M, 2I, H]
     dn = fp8_dequantize(down, down_scale, jnp.float32)[eid]  # [M, H, I]
-    x = dequantize_fp8_activations(*quantize_fp8_activations(x_sorted, block), block)
+    x = fp8_round_activations(x_sorted.astype(jnp.float32), block)
     hp = jax.lax.Precision.HIGHEST
     g, u = jnp.split(jnp.einsum("mh,mih->mi", x, gu, precision=hp), 2, axis=-1)
-    a = dequantize_fp8_activations(*quantize_fp8_activations(jax.nn.silu(g) * u, block), block)
+    a = fp8_round_activations(jax.nn.silu(g) * u, block)
     return jnp.einsum("mi,mhi->mh", a, dn, precision=hp).astype(x_sorted.dtype)
 
 
@@ -401,13 +378,13 @@ def gmm_cost(M: int, H: int, I: int, E_used: int, dtype_bytes: int = 2) -> dict:
 
 def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, ti: int | None = 512,
                           th: int | None = 512, block_rows: int = 8, gate_up_scale=None, down_scale=None,
-                          interpret=None) -> jax.Array:
+                          act_fp8: bool = False, interpret=None) -> jax.Array:
     """`qwen35.moe.experts_sorted` on the kernels: sort the N·k slots by expert, permute (row-gather kernel),
-    grouped SwiGLU (the two gmm kernels; FP8 experts with their block scales, see `grouped_swiglu`), weighted
+    grouped SwiGLU (the two gmm kernels; FP8 experts with their block scales and W8A8 with `act_fp8`, see
+    `grouped_swiglu`), weighted
     unpermute (gather-combine kernel). x [N, H], weights [N, k], experts [N, k] -> [N, H] in x's dtype. The
     model's MoE uses it when `config.backend == "pallas"`."""
     from qwen35.kernels.permute import permute, unpermute
-    from qwen35.moe import _check_routed, sort_by_expert
 
     x, weights, experts = jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts)
     _check_routed(x, weights, experts, gate_up, down)
@@ -415,5 +392,5 @@ def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, 
     order, group_sizes = sort_by_expert(experts, gate_up.shape[0])
     x_sorted = permute(x, order, k, block_rows=block_rows, interpret=interpret)
     y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, tm=tm, ti=ti, th=th, gate_up_scale=gate_up_scale,
-                              down_scale=down_scale, interpret=interpret)
+                              down_scale=down_scale, act_fp8=act_fp8, interpret=interpret)
     return unpermute(y_sorted, order, weights.astype(x.dtype), block_rows=block_rows, interpret=interpret)

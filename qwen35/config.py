@@ -25,6 +25,9 @@ FULL = "full_attention"
 BACKENDS = ("xla", "pallas")
 # The official FP8 release stores one float32 scale per 128x128 block of a quantised weight (weight_block_size).
 FP8_BLOCK = 128
+# W8A8 experts quantise their activations with one float32 scale per row and 512 columns (the Ironwood post's
+# "512 sub-channel" activation quantisation).
+ACT_BLOCK = 512
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,7 @@ class Qwen35Config:
     eos_token_id: int | tuple[int, ...] | None = None
     # --- implementation choices (not HF fields) ---------------------------------------------------------
     backend: str = "xla"  # "xla" (pure JAX) or "pallas" (kernels; interpreted on CPU)
+    act_fp8: bool = False  # W8A8 experts: FP8 activations (per row and 512 columns) times FP8 weights
     name: str = "custom"
 
     def __post_init__(self):
@@ -193,6 +197,11 @@ class Qwen35Config:
             raise ConfigError("attention_bias=True is not supported: Qwen3.5 has no projection biases.")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
+        if self.act_fp8 and (self.hidden_size % ACT_BLOCK or self.moe_intermediate_size % ACT_BLOCK):
+            raise ConfigError(
+                f"act_fp8 quantises the expert activations in {ACT_BLOCK}-wide blocks, so hidden_size and "
+                f"moe_intermediate_size must be multiples of {ACT_BLOCK}, got {self.hidden_size} and "
+                f"{self.moe_intermediate_size}; use act_fp8=False (activations stay in the compute dtype).")
         rs = self.rope_scaling_dict
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type", "default"))
@@ -298,7 +307,7 @@ class Qwen35Config:
                 f"(model_type 'qwen3_5_moe' or 'qwen3_5_moe_text')?"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in fields and k not in ("rope_scaling", "backend", "name")}
+        kw = {k: v for k, v in d.items() if k in fields and k not in ("rope_scaling", "backend", "act_fp8", "name")}
         rope = dict(d.get("rope_parameters") or {})
         if d.get("rope_scaling"):
             rope.update(d["rope_scaling"])

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qwen35.config import FP8_BLOCK, Qwen35Config
+from qwen35.config import ACT_BLOCK, FP8_BLOCK, Qwen35Config
 from qwen35.layers import DEFAULT_INIT_STD, Linear, init_normal
 
 __all__ = [
@@ -93,6 +93,11 @@ __all__ = [
     "moe_flops",
     "SparseMoeBlock",
     "fp8_dequantize",
+    "quantize_fp8_activations",
+    "dequantize_fp8_activations",
+    "fp8_round_activations",
+    "ACT_BLOCK",
+    "E4M3_MAX",
     "IMPLS",
     "GROUPED_IMPLS",
 ]
@@ -170,25 +175,34 @@ def route(x: jax.Array, router_w: jax.Array, k: int, *, normalize: bool = True):
 
 # ------------------------------------------------------------------------------------------------------------
 # Path 1: dense one-hot
-def _swiglu(h: jax.Array) -> jax.Array:
-    """[..., 2I] (gate | up) -> silu(gate) * up  [..., I]."""
+def _swiglu(h: jax.Array, act_block: int | None = None) -> jax.Array:
+    """[..., 2I] (gate | up) -> silu(gate) * up  [..., I]; with `act_block` (W8A8) rounded through FP8 per row and
+    `act_block` columns, as the down projection's FP8 input (`fp8_round_activations`)."""
     gate, up = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * up
+    a = jax.nn.silu(gate) * up
+    return a if act_block is None else fp8_round_activations(a, act_block)
 
 
-@jax.jit
-def experts_dense(x, weights, experts, gate_up, down) -> jax.Array:
+def _round_input(x: jax.Array, act_block: int | None) -> jax.Array:
+    """The routed tokens as the gate/up projection sees them: unchanged, or (W8A8) rounded through FP8."""
+    return x if act_block is None else fp8_round_activations(x, act_block)
+
+
+@functools.partial(jax.jit, static_argnames="act_block")
+def experts_dense(x, weights, experts, gate_up, down, *, act_block: int | None = None) -> jax.Array:
     """Every expert on every token, then keep each token's k outputs with a one-hot combine matrix.
 
     combine [N, E] = Σ_j weights[:, j] · onehot(experts[:, j]); y = Σ_e combine[:, e] · Expert_e(x).
     Costs E/k times the useful FLOPs: the reference, and the fastest thing for a handful of experts.
+    `act_block` (W8A8): both matmuls' activations rounded through FP8 per row and `act_block` columns (the expert
+    paths all take it; see `fp8_round_activations`).
     """
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
     dtype = x.dtype
     combine = jnp.einsum("nk,nke->ne", weights.astype(jnp.float32), jax.nn.one_hot(experts, E, dtype=jnp.float32))
-    h = jnp.einsum("nh,eih->nei", x, gate_up.astype(dtype))  # [N, E, 2I]
-    a = _swiglu(h) * combine.astype(dtype)[:, :, None]  # [N, E, I], zero where not routed
+    h = jnp.einsum("nh,eih->nei", _round_input(x, act_block), gate_up.astype(dtype))  # [N, E, 2I]
+    a = _swiglu(h, act_block) * combine.astype(dtype)[:, :, None]  # [N, E, I], zero where not routed
     return jnp.einsum("nei,ehi->nh", a, down.astype(dtype)).astype(dtype)
 
 
@@ -222,12 +236,12 @@ def _default_impl() -> str:
     return "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
 
 
-def _grouped_ragged(x_sorted, group_sizes, gate_up, down):
+def _grouped_ragged(x_sorted, group_sizes, gate_up, down, act_block=None):
     # Contract x's H with gate_up's last axis (the HF [E, 2I, H] layout), so no weight transpose is needed.
     dn_gu = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    h = jax.lax.ragged_dot_general(x_sorted, gate_up, group_sizes, dn_gu)  # [M, 2I]
-    return jax.lax.ragged_dot_general(_swiglu(h), down, group_sizes, dn_gu)  # [M, H] (down is [E, H, I])
+    h = jax.lax.ragged_dot_general(_round_input(x_sorted, act_block), gate_up, group_sizes, dn_gu)  # [M, 2I]
+    return jax.lax.ragged_dot_general(_swiglu(h, act_block), down, group_sizes, dn_gu)  # [M, H] (down is [E, H, I])
 
 
 def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
@@ -324,26 +338,28 @@ def _tile_loops(carry, group_sizes, M: int, tile: int, weights: tuple, run_tile)
     return carry
 
 
-def _tile_swiglu(x_t, gate_up_e, down_e, scale=None):
+def _tile_swiglu(x_t, gate_up_e, down_e, scale=None, act_block=None):
     """One tile's rows x_t [rows, H] through one expert's dense SwiGLU (gate_up_e [2I, H], down_e [H, I]) ->
     [rows, H]; `scale` [rows] (the routing weights) multiplies the [rows, I] activations before the down
     projection, which is the same as scaling the [rows, H] output (the down projection is linear) but fuses into
-    the SwiGLU's elementwise work instead of a pass over the output of its own."""
-    a = _swiglu(jnp.einsum("th,ih->ti", x_t, gate_up_e))  # [rows, I]
+    the SwiGLU's elementwise work instead of a pass over the output of its own. `act_block`: W8A8 (x_t arrives
+    already rounded; the activations are rounded here, before the routing weights scale them)."""
+    a = _swiglu(jnp.einsum("th,ih->ti", x_t, gate_up_e), act_block)  # [rows, I]
     if scale is not None:
         a = a * scale[:, None]
     return jnp.einsum("ti,hi->th", a, down_e)
 
 
-def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
+def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int, act_block=None):
     """The "tiles" path of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
     writes its own rows of the result in place (no padded copy of the rows or the result: padding x and y by a
     tile and slicing y back copies [M, H] arrays; the whole `small` 4 x 512 prefill took 0.98-1.06x the time with
     them in four interleaved runs: noise level)."""
     M, H = x_sorted.shape
+    x_sorted = _round_input(x_sorted, act_block)
 
     def run_tile(y, at, t, w_e, own):
-        out = _tile_swiglu(jax.lax.dynamic_slice_in_dim(x_sorted, at, t), *w_e)
+        out = _tile_swiglu(jax.lax.dynamic_slice_in_dim(x_sorted, at, t), *w_e, act_block=act_block)
         if own is not None:
             out = jnp.where(own[:, None], out, jax.lax.dynamic_slice_in_dim(y, at, t))
         return jax.lax.dynamic_update_slice_in_dim(y, out, at, 0)
@@ -351,7 +367,7 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int):
     return _tile_loops(jnp.zeros((M, H), x_sorted.dtype), group_sizes, M, tile, (gate_up, down), run_tile)
 
 
-def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: int):
+def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: int, act_block=None):
     """`experts_sorted` with the "tiles" path, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert (the routing weights folded into the SwiGLU activations), and
     adds its own rows into the [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output
@@ -361,10 +377,11 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     weights into the activations (rather than scaling the [t, H] output) removed the 10-13 ms pass over each
     tile's output from the 4 x 512 prefill's thunk time: the scaling rides in the SwiGLU's elementwise fusion."""
     N, H = x.shape
+    x = _round_input(x, act_block)  # per token row, so rounding before the gather is rounding each sorted row
 
     def run_tile(out, at, t, w_e, own):
         idx = jax.lax.dynamic_slice_in_dim(token, at, t)
-        y = _tile_swiglu(x[idx], *w_e, scale=jax.lax.dynamic_slice_in_dim(w_sorted, at, t))
+        y = _tile_swiglu(x[idx], *w_e, scale=jax.lax.dynamic_slice_in_dim(w_sorted, at, t), act_block=act_block)
         if own is not None:  # rows of the next group (or the previous one) go nowhere: index N is dropped
             idx = jnp.where(own, idx, N)
         return out.at[idx].add(y, mode="drop")
@@ -372,14 +389,15 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     return _tile_loops(jnp.zeros((N, H), x.dtype), group_sizes, token.shape[0], tile, (gate_up, down), run_tile)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile"))
-def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE):
+@functools.partial(jax.jit, static_argnames=("impl", "tile", "act_block"))
+def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE,
+                   act_block: int | None = None):
     """Grouped SwiGLU expert MLP: rows [starts[e], starts[e] + group_sizes[e]) of x_sorted go through expert e.
 
     x_sorted [M, H], group_sizes [E] int (Σ = M), gate_up [E, 2I, H], down [E, H, I] -> [M, H] in x's dtype.
     `impl`: "auto" (ragged_dot on TPU, tiles elsewhere), "tiles" or "ragged_dot" (see the module docstring);
-    `tile`: the largest row tile of "tiles" (the one used depends on the rows per expert: `tile_rows`).
-    This is the kernel boundary: a Pallas grouped matmul can replace it without touching the routing.
+    `tile`: the largest row tile of "tiles" (the one used depends on the rows per expert: `tile_rows`);
+    `act_block`: W8A8, as in `experts_dense`. This is the kernel boundary: a Pallas grouped matmul can replace it without touching the routing.
     """
     x_sorted, group_sizes, gate_up, down = _arrays(x_sorted, group_sizes, gate_up, down)
     if x_sorted.ndim != 2:
@@ -396,19 +414,20 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", 
     if x_sorted.shape[0] == 0:
         return jnp.zeros_like(x_sorted)
     if impl == "ragged_dot":
-        y = _grouped_ragged(x_sorted, group_sizes.astype(jnp.int32), gate_up, down)
+        y = _grouped_ragged(x_sorted, group_sizes.astype(jnp.int32), gate_up, down, act_block)
     else:
-        y = _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile)
+        y = _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile, act_block)
     return y.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile"))
-def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE):
+@functools.partial(jax.jit, static_argnames=("impl", "tile", "act_block"))
+def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE,
+                   act_block: int | None = None):
     """Sort the N·k slots by expert, gather their tokens, grouped SwiGLU, weighted scatter-add back to tokens.
 
     Exactly the useful FLOPs (2·N·k·3IH); the data movement is a gather and a scatter-add of M = N·k rows. With
     the "tiles" implementation each tile does its own gather and scatter-add (`_sorted_tiles_fused`); with "ragged_dot"
-    the whole [M, H] sorted rows go through `grouped_swiglu`."""
+    the whole [M, H] sorted rows go through `grouped_swiglu`. `act_block`: W8A8, as in `experts_dense`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
     order, group_sizes = sort_by_expert(experts, E)
@@ -420,9 +439,9 @@ def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", ti
         return jnp.zeros_like(x)
     if (_default_impl() if impl == "auto" else impl) == "tiles":  # gather and scatter-add inside the tiles
         return _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up.astype(x.dtype), down.astype(x.dtype),
-                                   tile)
+                                   tile, act_block)
     x_sorted = x[token]  # [M, H]
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, impl=impl, tile=tile)
+    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, impl=impl, tile=tile, act_block=act_block)
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
 
 
@@ -629,6 +648,36 @@ def fp8_dequantize(w: jax.Array, scale_inv: jax.Array, dtype, block: int = FP8_B
     return (w.astype(jnp.float32) * s).astype(dtype)
 
 
+E4M3_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def quantize_fp8_activations(x, block: int = ACT_BLOCK):
+    """x [..., K] -> (q float8_e4m3fn [..., K], scale [..., K/block] float32): per row and `block`-wide group of
+    columns, scale = amax / 448 (1 for an all-zero group) and q = x / scale, so q·scale is x to e4m3's 3 mantissa
+    bits. W8A8's activation quantisation (`SparseMoeBlock` with `config.act_fp8`; the Pallas kernels)."""
+    *lead, K = x.shape
+    if K % block:
+        raise ValueError(f"activation quantisation needs K a multiple of {block}, got K={K}")
+    xb = x.astype(jnp.float32).reshape(*lead, K // block, block)
+    amax = jnp.max(jnp.abs(xb), axis=-1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = jnp.clip(xb / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, K), scale
+
+
+def dequantize_fp8_activations(q, scale, block: int = ACT_BLOCK):
+    """The inverse of `quantize_fp8_activations`, in float32."""
+    *lead, K = q.shape
+    return (q.astype(jnp.float32).reshape(*lead, K // block, block) * scale[..., None]).reshape(*lead, K)
+
+
+def fp8_round_activations(x, block: int = ACT_BLOCK):
+    """x quantised to FP8 and back (in x's dtype): the value an FP8 x FP8 matmul multiplies. With the FP8 weights
+    dequantised, a float32 matmul of it is the W8A8 product up to the order of the sums (the product of two e4m3
+    values is exact in float32): W8A8's XLA path (in bfloat16 each operand also rounds to bf16's 8 bits)."""
+    return dequantize_fp8_activations(*quantize_fp8_activations(x, block), block).astype(x.dtype)
+
+
 class Experts(nnx.Module):
     """Fused expert weights in the HF layout: `gate_up_proj` [E, 2I, H] (rows gate then up), `down_proj` [E, H, I].
 
@@ -699,6 +748,11 @@ class SparseMoeBlock(nnx.Module):
     unpermute; FP8 experts go to them as FP8 tiles + block scales), "dense" or "capacity" (with
     `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_impl`
     is passed to `grouped_swiglu` by the sorted path.
+
+    `config.act_fp8` (W8A8; FP8 experts and impl "sorted" or "dense"): the routed tokens and the SwiGLU output are
+    quantised to FP8 per row and 512 columns before their matmuls. With `backend == "pallas"` the kernels multiply
+    FP8 by FP8 (the MXU's FP8 rate); the XLA paths round the activations through FP8 and multiply the dequantised
+    weights (`fp8_round_activations`: the same values). The shared expert stays in the compute dtype.
     `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
 
@@ -718,6 +772,11 @@ class SparseMoeBlock(nnx.Module):
         if c.num_experts_per_tok > c.num_experts:
             raise ValueError(f"num_experts_per_tok ({c.num_experts_per_tok}) cannot exceed num_experts "
                              f"({c.num_experts})")
+        if c.act_fp8 and not fp8_experts:
+            raise ValueError("config.act_fp8 (W8A8) multiplies FP8 activations with FP8 expert weights: build the "
+                             "model with fp8_experts=True, or load an FP8 checkpoint with fp8='keep'")
+        if c.act_fp8 and impl == "capacity":
+            raise ValueError("config.act_fp8 runs with moe_impl 'sorted' or 'dense', not 'capacity'")
         self.config = c
         self.impl, self.capacity_factor, self.grouped_impl = impl, capacity_factor, grouped_impl
         self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
@@ -740,19 +799,20 @@ class SparseMoeBlock(nnx.Module):
             gu, dn = ex.gate_up_proj[...], ex.down_proj[...]
             if ex.fp8 and gu.shape[2] % FP8_BLOCK == 0 and dn.shape[2] % FP8_BLOCK == 0:  # FP8 tiles read in VMEM
                 return experts_sorted_pallas(x, weights, experts, gu, dn, gate_up_scale=ex.gate_up_proj_scale_inv[...],
-                                             down_scale=ex.down_proj_scale_inv[...])
+                                             down_scale=ex.down_proj_scale_inv[...], act_fp8=self.config.act_fp8)
             return experts_sorted_pallas(x, weights, experts, *ex.dequantized(x.dtype))
         gu, dn = ex.dequantized(x.dtype)
+        act = ACT_BLOCK if self.config.act_fp8 else None
         if self.impl == "dense":
-            return experts_dense(x, weights, experts, gu, dn)
+            return experts_dense(x, weights, experts, gu, dn, act_block=act)
         if self.impl == "capacity":
             return experts_capacity(x, weights, experts, gu, dn, capacity_factor=self.capacity_factor)[0]
         N, E, I2, H = x.shape[0], *gu.shape
-        if N * self.top_k <= self.num_experts:  # decode-sized: gather the used experts' weights
+        if N * self.top_k <= self.num_experts and act is None:  # decode-sized: gather the used experts' weights
             return experts_gather(x, weights, experts, gu, dn)
         if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
-            return experts_dense(x, weights, experts, gu, dn)
-        return experts_sorted(x, weights, experts, gu, dn, impl=self.grouped_impl)
+            return experts_dense(x, weights, experts, gu, dn, act_block=act)
+        return experts_sorted(x, weights, experts, gu, dn, impl=self.grouped_impl, act_block=act)
 
     def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
         """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the

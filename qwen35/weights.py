@@ -408,6 +408,7 @@ def load_hf_checkpoint(
     backend: str | None = None,
     shardings: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
     fp8: str = "dequantize",
+    act_fp8: bool = False,
     progress: bool | None = None,
 ) -> Qwen35ForCausalLM:
     """Load a Hugging Face Qwen3.5-MoE safetensors checkpoint folder into a `Qwen35ForCausalLM`.
@@ -431,6 +432,8 @@ def load_hf_checkpoint(
         experts are not FP8 loads as with "dequantize". Per-expert FP8 tensors need moe_intermediate_size to
         be a multiple of 128 (gate and up rows then fill whole scale blocks of the fused [E, 2I, H] tensor;
         every released Qwen3.5 size is).
+      act_fp8: W8A8 experts (`Qwen35Config.act_fp8`): the kept FP8 experts multiply FP8 activations. Needs
+        fp8="keep" and a checkpoint whose routed experts are FP8.
       progress: show a tqdm bar (default: only when stderr is a terminal).
 
     Raises `CheckpointError` (a ValueError) listing every missing, unexpected and mis-shaped tensor, before any
@@ -441,13 +444,18 @@ def load_hf_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint folder")
-    config = Qwen35Config.from_hf(path, **({"backend": backend} if backend is not None else {}))
+    if act_fp8 and fp8 != "keep":
+        raise ValueError("act_fp8=True multiplies FP8 activations with the checkpoint's FP8 experts: load with "
+                         "fp8='keep'")
+    overrides = {"backend": backend} if backend is not None else {}
+    config = Qwen35Config.from_hf(path, **overrides, **({"act_fp8": True} if act_fp8 else {}))
     param_dtype = jnp.dtype(param_dtype or dtype)
     np_param_dtype = np.dtype(param_dtype)
 
     # 1. The model's shapes, without allocating anything.
-    def build(fp8_experts: bool):
-        abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl,
+    def build(fp8_experts: bool):  # W8A8 needs the FP8 experts; the shapes checked first are the same without it
+        cfg = config if fp8_experts else config.replace(act_fp8=False)
+        abstract = Qwen35ForCausalLM.abstract(cfg, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl,
                                               fp8_experts=fp8_experts)
         graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
@@ -463,6 +471,9 @@ def load_hf_checkpoint(
     if err is not None:
         raise err
     keep = fp8 == "keep" and _fp8_experts(plan, path, config)
+    if act_fp8 and not keep:
+        raise CheckpointError(f"checkpoint {path}: its routed experts are not FP8, so act_fp8=True (W8A8) has no FP8 "
+                              f"weights to multiply; load it with act_fp8=False")
     if keep:  # the model with FP8 experts: the same parameters plus the experts' scale tensors
         graphdef, flat, expected = build(True)
 

@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from qwen35.moe import capacity as moe_capacity
+from qwen35.config import ACT_BLOCK
 from qwen35.moe import experts_dense, experts_sorted, grouped_swiglu, sort_by_expert
 from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, mesh_axes_for
 
@@ -139,18 +140,18 @@ def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
 
 
-def _local_experts(x, weights, experts, gate_up, down, impl):
+def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None):
     El, k = gate_up.shape[0], experts.shape[1]
     if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
         # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
         weights = jnp.einsum("nk,nke->ne", weights, jax.nn.one_hot(experts, El, dtype=weights.dtype))
         experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
     if impl == "dense":
-        return experts_dense(x, weights, experts, gate_up, down)
-    return experts_sorted(x, weights, experts, gate_up, down)
+        return experts_dense(x, weights, experts, gate_up, down, act_block=act_block)
+    return experts_sorted(x, weights, experts, gate_up, down, act_block=act_block)
 
 
-def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks):
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks, act_block=None):
     """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
     parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
 
@@ -172,7 +173,7 @@ def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarc
         local = (e >= lo) & (e < lo + El)
         # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
         y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up,
-                           down, impl)
+                           down, impl, act_block)
         if ex_axes:
             y = scatter(y)
         if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
@@ -237,7 +238,7 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
     return output.at[dest.reshape(-1)].set(got.reshape(N * max_slice, *got.shape[2:]), mode="drop")
 
 
-def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native, grouped_impl):
+def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native, grouped_impl, act_block=None):
     """Per device: x [t, H], weights/experts [t, k]; gate_up/down hold this device's E/n experts (and, with
     tensor-parallel experts, its I/m slice of each).
 
@@ -273,7 +274,7 @@ def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native
     else:  # one slice holds at most t rows: a token routes at most one slot to each expert
         move = functools.partial(ragged_all_to_all_padded, axis_name=ex_axes, max_slice=t)
     x_recv = move(x_sorted, jnp.zeros((R, H), x.dtype), in_off, counts, out_off, recv)
-    y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl)  # [R, H]
+    y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl, act_block=act_block)  # [R, H]
     # Back: this device's slices go to their sources; offsets here are where they landed (the all-to-all of the
     # sources' out_off), offsets there are where the sources took them from (the all-to-all of their in_off).
     here = jax.lax.all_to_all(out_off, ex_axes, 0, 0, tiled=True)
@@ -292,7 +293,7 @@ def _axes_size_traced(axes) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave,
-           native=False):
+           native=False, act_block=None):
     tok = P(tok_axes or None, None)
     tp = tp_axes or None
     gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
@@ -304,14 +305,15 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 
     if scheme == "allgather":
         body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
-                                 hierarchical=hierarchical, chunks=chunks)
+                                 hierarchical=hierarchical, chunks=chunks, act_block=act_block)
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
                           check_vma=False)
 
         def run(x, weights, experts, gate_up, down):
             return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
     elif scheme == "ragged":
-        body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native, grouped_impl="auto")
+        body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native, grouped_impl="auto",
+                                 act_block=act_block)
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
                           check_vma=False)
 
@@ -331,7 +333,7 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
            capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
            hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
-           transport: str = "auto", return_stats: bool = False):
+           transport: str = "auto", act_block: int | None = None, return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
     over `mesh`.
@@ -365,6 +367,8 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
     `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
     `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
+    `act_block` (W8A8, `qwen35.moe.experts_dense`): the local experts round their activations through FP8 per row and
+    `act_block` columns ("allgather" and "ragged"; with TP-MoE each device's I/m must hold whole blocks).
     With `return_stats`, returns (y, EPStats)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -407,6 +411,12 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if I % m:
         raise ShardingError(f"expert width I = {I} cannot be split over {_axes_desc(mesh, tp_axes)} (expert_mlp); "
                             f"use a tensor-parallel size that divides {I}")
+    if act_block is not None and scheme == "alltoall":
+        raise ValueError("act_block (W8A8) runs with the exact schemes 'allgather' and 'ragged', not 'alltoall'")
+    if act_block is not None and (I // m) % act_block:
+        raise ShardingError(f"W8A8 quantises the expert activations in {act_block}-wide blocks, but each device holds "
+                            f"I/m = {I // m} columns of the expert width; use a tensor-parallel size m with I/m a "
+                            f"multiple of {act_block}")
     n_tok = _axes_size(mesh, tok_axes)
     if N % n_tok:
         raise ShardingError(f"{N} tokens cannot be split over {_axes_desc(mesh, tok_axes)} = {n_tok} devices; pad "
@@ -444,7 +454,7 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         if t % chunks:
             raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
     f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
-               gate_up_layout == "checkpoint", native)
+               gate_up_layout == "checkpoint", native, act_block)
     y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
     if not return_stats:
         return y
@@ -469,16 +479,17 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
     gate_up, down = block.experts.dequantized(x.dtype)
+    act = ACT_BLOCK if block.config.act_fp8 else None
     if scheme == "ragged":
         y, _ = _ragged_body(x, weights, experts, gate_up, down, ex_axes=tuple(expert_axes), tp_axes=(),
-                            native=native, grouped_impl="auto")
+                            native=native, grouped_impl="auto", act_block=act)
         return y
     if scheme != "allgather":
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
     impl = "dense" if block.impl == "dense" else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
-                           chunks=1)
+                           chunks=1, act_block=act)
     return y
 
 

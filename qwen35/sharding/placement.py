@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from qwen35.config import Qwen35Config
+from qwen35.config import ACT_BLOCK, Qwen35Config
 from qwen35.sharding.exchange import SCHEMES, moe_ep, tp_interleave_gate_up
 from qwen35.sharding.mesh import (LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, _rules_dict, check_mesh,
                                   logical_to_spec, mesh_axes_for, param_logical_axes)
@@ -180,7 +180,7 @@ class MeshExecution:
             gate_up, down = block.experts.dequantized(x.dtype)
             return moe_ep(x, weights, experts, gate_up, down, mesh=self.mesh, scheme=self.moe_exchange,
                           capacity_factor=self.capacity_factor, rules=self.rules, chunks=self.moe_chunks,
-                          gate_up_layout=self.gate_up_layout)
+                          gate_up_layout=self.gate_up_layout, act_block=ACT_BLOCK if block.config.act_fp8 else None)
         return routed
 
     def init_cache(self, model, batch_size: int, max_len: int, dtype=None):
@@ -247,6 +247,9 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
                             f"replicated and no tokens move, so moe_exchange={moe_exchange!r} does not apply; use "
                             f"moe_exchange='allgather' (each device runs its own tokens through every expert) or a "
                             f"mesh with an expert axis, e.g. make_mesh(expert=8)")
+    if moe_exchange == "alltoall" and model.config.act_fp8:
+        raise ValueError("W8A8 (config.act_fp8) runs with the exact exchanges; use moe_exchange='allgather' or "
+                         "'ragged'")
     m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
     if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
         raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "

@@ -1,0 +1,150 @@
+"""W8A8 experts (`Qwen35Config.act_fp8`): FP8 activations with one scale per row and 512 columns times FP8 weights
+with 128x128 block scales. The XLA paths (dense, sorted tiles, ragged_dot, the expert-parallel exchanges) against
+the plain reference `grouped_swiglu_w8a8_reference`; the MoE block on the Pallas kernels against the XLA path; a
+checkpoint loaded with it; and the errors that say how to switch it on.
+
+Comparisons between two W8A8 evaluations allow for one thing: each computes the SwiGLU output in float32 in its
+own order before quantising it, so an element lying on an e4m3 rounding boundary may round up in one and down in
+the other (one e4m3 step, 2^-3 relative). Most outputs then agree to float32 rounding and none by more than a few
+such steps (`assert_w8a8_close`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import assert_close, model_terms
+
+import qwen35
+from qwen35 import sharding as S
+from qwen35.config import ConfigError
+from qwen35.kernels.grouped_matmul import grouped_swiglu_w8a8_reference
+from qwen35.moe import (ACT_BLOCK, SparseMoeBlock, experts_dense, experts_sorted, fp8_round_activations, route,
+                        sort_by_expert)
+from qwen35.weights import CheckpointError, fp8_block_dequantize, fp8_block_quantize
+
+H = I = ACT_BLOCK  # whole 512-wide activation blocks along both contractions
+
+
+def assert_w8a8_close(got, want, name):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    diff, top = np.abs(got - want), float(np.max(np.abs(want)))
+    assert np.median(diff) <= 1e-5 * top and diff.max() <= 0.02 * top, (name, np.median(diff), diff.max(), top)
+
+
+def fp8_experts(rng, E):
+    gate_up = rng.standard_normal((E, 2 * I, H)) / np.sqrt(H)
+    down = rng.standard_normal((E, H, I)) / np.sqrt(I)
+    (gq, gs), (dq, ds) = fp8_block_quantize(gate_up), fp8_block_quantize(down)
+    return gq, gs, dq, ds
+
+
+def w8a8_reference(x, weights, experts, gq, gs, dq, ds):
+    """Sort the slots by expert, the plain W8A8 grouped SwiGLU, the weighted sum back to tokens (numpy)."""
+    N, k = experts.shape
+    order, group_sizes = sort_by_expert(jnp.asarray(experts), gq.shape[0])
+    order = np.asarray(order)
+    y_sorted = np.asarray(grouped_swiglu_w8a8_reference(jnp.asarray(x)[order // k], group_sizes, gq, dq, gs, ds))
+    y = np.zeros((N, H), np.float32)
+    np.add.at(y, order // k, y_sorted * np.asarray(weights).reshape(-1)[order][:, None])
+    return y
+
+
+def test_activation_rounding_is_quantise_then_dequantise():
+    """`fp8_round_activations` keeps every value within half an e4m3 step of its block (3 mantissa bits), leaves
+    each block's largest magnitude exact (it maps to e4m3's 448), works on any leading shape, keeps the dtype."""
+    x = np.random.default_rng(0).standard_normal((2, 3, 1024)).astype(np.float32) * 7.0
+    r = np.asarray(fp8_round_activations(jnp.asarray(x)))
+    blocks = np.abs(x).reshape(2, 3, 2, 512)
+    amax = blocks.max(-1, keepdims=True)
+    assert np.all(np.abs(r - x).reshape(blocks.shape) <= 2.0 ** -4 * blocks + amax / 448 * 2.0 ** -9)
+    np.testing.assert_allclose(np.abs(r).reshape(blocks.shape).max(-1), amax[..., 0], rtol=1e-6)
+    assert fp8_round_activations(jnp.asarray(x, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("path", ["dense", "tiles", "ragged_dot"])
+def test_xla_w8a8_paths_equal_the_reference(path):
+    rng = np.random.default_rng(1)
+    E, N, k = 4, 12, 2
+    gq, gs, dq, ds = fp8_experts(rng, E)
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    gu, dn = fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds)
+    with jax.default_matmul_precision("highest"):
+        if path == "dense":
+            y = experts_dense(x, weights, experts, gu, dn, act_block=ACT_BLOCK)
+        else:
+            y = experts_sorted(x, weights, experts, gu, dn, impl=path, act_block=ACT_BLOCK)
+        plain = experts_dense(x, weights, experts, gu, dn)
+    want = w8a8_reference(x, weights, experts, gq, gs, dq, ds)
+    assert_w8a8_close(y, want, path)
+    rel = np.linalg.norm(want - np.asarray(plain)) / np.linalg.norm(np.asarray(plain))
+    assert 0.005 < rel < 0.1, rel  # the activations' rounding against FP8 weights alone (W8A16): a few percent
+
+
+def w8a8_config(**kw):
+    return qwen35.tiny(hidden_size=H, moe_intermediate_size=I, num_experts=8, num_experts_per_tok=2,
+                       num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), vocab_size=256,
+                       shared_expert_intermediate_size=64, act_fp8=True, **kw)
+
+
+@pytest.mark.timeout(300)
+def test_moe_block_w8a8_on_the_kernels_equals_xla():
+    """`SparseMoeBlock` with `act_fp8`: backend "pallas" multiplies FP8 by FP8 in the kernels, backend "xla" rounds
+    the activations through FP8 and multiplies the dequantised weights; both equal the reference."""
+    rng = np.random.default_rng(2)
+    gq, gs, dq, ds = fp8_experts(rng, 8)
+    x = jnp.asarray(rng.standard_normal((1, 6, H)), jnp.float32)
+    outs = {}
+    for backend in ("xla", "pallas"):
+        block = SparseMoeBlock(w8a8_config(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
+        for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
+                            ("down_proj_scale_inv", ds)):
+            getattr(block.experts, name).set_value(jnp.asarray(value))
+        with jax.default_matmul_precision("highest"):
+            outs[backend] = np.asarray(block(x)[0])
+            w, e, _ = route(x[0], block.gate.weight[...], 2)
+            shared = outs[backend][0] - np.asarray(block.routed(x[0], w, e))
+    assert_w8a8_close(outs["pallas"], outs["xla"], "MoE block, pallas vs xla")
+    assert_w8a8_close(outs["xla"][0] - shared, w8a8_reference(x[0], w, e, gq, gs, dq, ds), "MoE block vs reference")
+
+
+@pytest.mark.timeout(300)
+def test_w8a8_checkpoint_loads_serves_sharded_and_moves_logits_a_little(tmp_path):
+    """An FP8 checkpoint loaded with act_fp8=True (fp8="keep"): the in-memory W8A8 model's logits; against the
+    same checkpoint's W8A16 logits a small nonzero change; on an expert=8 mesh (all-gather and ragged exchanges)
+    the single-device W8A8 logits."""
+    cfg = w8a8_config()
+    model = qwen35.Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), fp8_experts=True)
+    path = qwen35.save_hf_checkpoint(model, tmp_path / "fp8")
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (8, 6))
+    w8a8 = qwen35.load_hf_checkpoint(path, fp8="keep", act_fp8=True, progress=False)
+    w8a16 = qwen35.load_hf_checkpoint(path, fp8="keep", progress=False)
+    assert w8a8.config.act_fp8 and not w8a16.config.act_fp8
+    with jax.default_matmul_precision("highest"):
+        got, mem, plain = (np.asarray(m(ids)[0]) for m in (w8a8, model, w8a16))
+        assert_close(got, mem, terms=model_terms(cfg, 6), name="W8A8 logits, loaded vs in memory")
+        rel = np.linalg.norm(got - plain) / np.linalg.norm(plain)
+        assert 1e-3 < rel < 0.3, rel
+        for scheme in ("allgather", "ragged"):
+            sharded = S.shard_model(w8a8, S.make_mesh(expert=8), moe_exchange=scheme)
+            assert_w8a8_close(sharded(ids)[0], got, f"W8A8 logits on expert=8 ({scheme}) vs one device")
+
+
+def test_w8a8_says_how_to_switch_it_on(tmp_path):
+    with pytest.raises(ConfigError, match="multiples of 512"):
+        qwen35.tiny(act_fp8=True)
+    with pytest.raises(ValueError, match="fp8_experts=True"):
+        SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="'sorted' or 'dense'"):
+        SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0), impl="capacity", fp8_experts=True)
+    cfg = w8a8_config().replace(act_fp8=False)
+    bf16_experts = qwen35.save_hf_checkpoint(qwen35.Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "plain")
+    with pytest.raises(ValueError, match="fp8='keep'"):
+        qwen35.load_hf_checkpoint(bf16_experts, act_fp8=True)
+    with pytest.raises(CheckpointError, match="not FP8"):
+        qwen35.load_hf_checkpoint(bf16_experts, fp8="keep", act_fp8=True, progress=False)
+    model = qwen35.Qwen35ForCausalLM(w8a8_config(), rngs=nnx.Rngs(0), fp8_experts=True)
+    with pytest.raises(ValueError, match="exact exchanges"):
+        S.shard_model(model, S.make_mesh(expert=8), moe_exchange="alltoall")
