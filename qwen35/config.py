@@ -69,7 +69,7 @@ class Qwen35Config:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     hidden_act: str = "silu"
-    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers in the checkpoint (not run by the decoder)
+    mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (qwen35.mtp; the decoder does not run them)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     # --- implementation choices (not HF fields) ---------------------------------------------------------
@@ -362,6 +362,8 @@ class Qwen35Config:
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
         }
+        if self.mtp_num_hidden_layers:
+            d["mtp_num_hidden_layers"] = self.mtp_num_hidden_layers
         if self.bos_token_id is not None:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:

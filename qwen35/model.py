@@ -90,9 +90,9 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += mixer(input_layernorm(h)); h += moe(post_attention_layernorm(h))."""
 
     def __init__(self, config: Qwen35Config, layer_idx: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 moe_impl: str = "sorted", fp8_experts: bool = False):
+                 moe_impl: str = "sorted", fp8_experts: bool = False, layer_type: str | None = None):
         c = config
-        self.layer_type = c.layer_types[layer_idx]
+        self.layer_type = layer_type or c.layer_types[layer_idx]  # `layer_type`: the MTP layer is full attention
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if self.layer_type == LINEAR:
             self.linear_attn = GatedDeltaNet(c, rngs=rngs, param_dtype=param_dtype)
@@ -140,13 +140,16 @@ class Qwen35ForCausalLM(nnx.Module):
     stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
     fp8="keep")` builds for an FP8 checkpoint).
 
+    `mtp=True` adds the checkpoint's multi-token-prediction head (`self.mtp`, a `qwen35.mtp.MultiTokenPredictor`;
+    `config.mtp_num_hidden_layers` layers), run by `mtp_logits`; the decoder never runs it.
+
     `execution` is None on one device. `qwen35.sharding.shard_model` returns a copy whose execution (a
     `qwen35.sharding.MeshExecution`, chosen once when it is placed) supplies the MoE's expert-parallel exchange,
     the cache's placement and the call's jit over the mesh; the layers run the same code either way.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 dtype=None, moe_impl: str = "sorted", fp8_experts: bool = False):
+                 dtype=None, moe_impl: str = "sorted", fp8_experts: bool = False, mtp: bool = False):
         config.validate()
         self.config = config
         self.dtype = jnp.dtype(dtype or param_dtype)
@@ -156,6 +159,13 @@ class Qwen35ForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
         else:
             self.lm_head = None
+        if mtp:
+            from qwen35.mtp import MultiTokenPredictor
+
+            self.mtp = MultiTokenPredictor(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl,
+                                           fp8_experts=fp8_experts)
+        else:
+            self.mtp = None
         self.execution = None  # how the model runs besides one device: `qwen35.sharding.shard_model` sets it
 
     @classmethod
@@ -214,6 +224,24 @@ class Qwen35ForCausalLM(nnx.Module):
         logits = output_logits(self.model.norm, self.lm_head, self.model.embed_tokens, h)
         new_cache = None if cache is None else HybridCache(tuple(new_states), index + T)
         return ModelOutput(logits, new_cache, tuple(hidden), tuple(routers))
+
+    def final_hidden(self, out: ModelOutput) -> jax.Array:
+        """The last layer's hidden states after the final norm [B, T, H]: what lm_head reads, and what the MTP head
+        takes."""
+        return self.model.norm(out.hidden_states[-1])
+
+    def mtp_logits(self, hidden: jax.Array, next_ids: jax.Array, cache=None, cache_index=0, step: int = 0):
+        """The MTP head's guesses (traced code): hidden [B, T, H] from `final_hidden` at positions t, next_ids
+        [B, T] the tokens at t + 1 -> (float32 logits [B, T, V] for the tokens at t + 2, the MTP layers' new K/V
+        cache or None). `cache` (from `self.mtp.init_cache`) holds the MTP attention's keys by position t;
+        `cache_index` is the first position of this call."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head: build it with mtp=True, or load with "
+                             "load_hf_checkpoint(..., mtp=True)")
+        routed_fn = None if self.execution is None else self.execution.routed_fn()
+        v, new_cache, _ = self.mtp(hidden.astype(self.dtype), self.model.embed_tokens(next_ids, self.dtype),
+                                   cache=cache, cache_index=cache_index, step=step, routed_fn=routed_fn)
+        return output_logits(self.mtp.norm, self.lm_head, self.model.embed_tokens, v), new_cache
 
     def _check_call(self, input_ids, cache):
         if not hasattr(input_ids, "shape") or len(input_ids.shape) != 2:

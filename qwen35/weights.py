@@ -8,8 +8,8 @@ What the loader accepts (the layouts of the released checkpoints, huggingface.co
 -FP8 release, and of transformers' `Qwen3_5MoeForCausalLM`):
   * one `model.safetensors`, or shards listed by `model.safetensors.index.json`;
   * the text-only key layout (`model.layers.*`, `model.embed_tokens.weight`, `model.norm.weight`, `lm_head.weight`)
-    and the released multimodal layout (`model.language_model.*` -> `model.*`; `model.visual.*` and `mtp.*` are
-    skipped: this package is the text decoder and does not run the MTP head);
+    and the released multimodal layout (`model.language_model.*` -> `model.*`; `model.visual.*` is
+    skipped, and `mtp.*`, the multi-token-prediction head, too unless `mtp=True` loads it);
   * experts fused (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`) or per expert
     (`mlp.experts.{e}.gate_proj.weight [I, H]`, `up_proj [I, H]`, `down_proj [H, I]`), which are written into a
     preallocated fused [E, ...] host buffer expert by expert as they stream in;
@@ -238,7 +238,7 @@ def quantize_experts_fp8(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
         raise ValueError("quantize_experts_fp8 takes an unsharded model (quantise first, then shard it)")
     abstract = Qwen35ForCausalLM.abstract(model.config, param_dtype=model.model.embed_tokens.weight[...].dtype,
                                           dtype=model.dtype, moe_impl=model.model.layers[0].mlp.impl,
-                                          fp8_experts=True)
+                                          fp8_experts=True, mtp=model.mtp is not None)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     dst = {".".join(map(str, path)): var for path, var in flat}
@@ -254,13 +254,14 @@ def quantize_experts_fp8(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
 
 # ------------------------------------------------------------------------------------------------------------
 # The load plan: which checkpoint tensors make each model parameter
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_SKIP_PREFIXES = ("model.visual.", "mtp.", "visual.")
+_PER_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_SKIP_PREFIXES = ("model.visual.", "visual.")
+_MTP_PREFIX = "mtp."
 
 
-def _normalise_key(key: str) -> str | None:
-    """Checkpoint key -> text-decoder key (None: skipped, e.g. vision tower or MTP head)."""
-    if key.startswith(_SKIP_PREFIXES):
+def _normalise_key(key: str, mtp: bool = False) -> str | None:
+    """Checkpoint key -> model key (None: skipped: the vision tower, and the MTP head unless `mtp`)."""
+    if key.startswith(_SKIP_PREFIXES) or (key.startswith(_MTP_PREFIX) and not mtp):
         return None
     if key.startswith("model.language_model."):
         return "model." + key[len("model.language_model."):]
@@ -294,12 +295,13 @@ def _expected_scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*shape[:-2], _blocks(shape[-2]), _blocks(shape[-1]))
 
 
-def _plan(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], config: Qwen35Config) -> _Plan:
+def _plan(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], config: Qwen35Config,
+          mtp: bool = False) -> _Plan:
     plan = _Plan()
     # normalise names (keep the original for messages)
     by_key: dict[str, tuple[str, TensorInfo]] = {}
     for orig, info in tensors.items():
-        k = _normalise_key(orig)
+        k = _normalise_key(orig, mtp)
         if k is None:
             continue
         if k in by_key:
@@ -340,7 +342,7 @@ def _plan(expected: dict[str, tuple[int, ...]], tensors: dict[str, TensorInfo], 
 
     E, I, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
     for name, shape in expected.items():
-        m = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        m = re.match(r"^((?:model|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$", name)
         if m and name not in by_key:
             prefix, which = m.groups()
             per = [f"{prefix}.{e}.{p}.weight" for e in range(E)
@@ -409,6 +411,7 @@ def load_hf_checkpoint(
     shardings: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
     fp8: str = "dequantize",
     act_fp8: bool = False,
+    mtp: bool = False,
     progress: bool | None = None,
 ) -> Qwen35ForCausalLM:
     """Load a Hugging Face Qwen3.5-MoE safetensors checkpoint folder into a `Qwen35ForCausalLM`.
@@ -434,6 +437,8 @@ def load_hf_checkpoint(
         every released Qwen3.5 size is).
       act_fp8: W8A8 experts (`Qwen35Config.act_fp8`): the kept FP8 experts multiply FP8 activations. Needs
         fp8="keep" and a checkpoint whose routed experts are FP8.
+      mtp: also load the multi-token-prediction head (`mtp.*`, `model.mtp`; see `qwen35.mtp`). Without it the
+        `mtp.*` tensors are skipped, and a checkpoint that has none loads as before.
       progress: show a tqdm bar (default: only when stderr is a terminal).
 
     Raises `CheckpointError` (a ValueError) listing every missing, unexpected and mis-shaped tensor, before any
@@ -456,17 +461,23 @@ def load_hf_checkpoint(
     def build(fp8_experts: bool):  # W8A8 needs the FP8 experts; the shapes checked first are the same without it
         cfg = config if fp8_experts else config.replace(act_fp8=False)
         abstract = Qwen35ForCausalLM.abstract(cfg, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl,
-                                              fp8_experts=fp8_experts)
+                                              fp8_experts=fp8_experts, mtp=mtp)
         graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         params = {".".join(str(p) for p in path_): var for path_, var in flat}
         return graphdef, flat, {name: tuple(var.get_value().shape) for name, var in params.items()}
 
+    if mtp and config.mtp_num_hidden_layers < 1:
+        raise CheckpointError(f"checkpoint {path}: config.json has no MTP layer (mtp_num_hidden_layers is "
+                              f"{config.mtp_num_hidden_layers}); load it with mtp=False")
     graphdef, flat, expected = build(False)
 
     # 2. Validate against the headers: no data read yet.
     tensors = _checkpoint_tensors(path)
-    plan = _plan(expected, tensors, config)
+    if mtp and not any(k.startswith(_MTP_PREFIX) for k in tensors):
+        raise CheckpointError(f"checkpoint {path} has no mtp.* tensors (its multi-token-prediction head was not "
+                              f"saved); load it with mtp=False")
+    plan = _plan(expected, tensors, config, mtp)
     err = _plan_error(plan, path, config)
     if err is not None:
         raise err
@@ -511,7 +522,7 @@ def load_hf_checkpoint(
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-_EXPERT_PARAM = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_PARAM = re.compile(r"^(?:model|mtp)\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _SCALE_SUFFIX = "_scale_inv"
 
 

@@ -165,6 +165,9 @@ PARAM_LOGICAL_AXES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     ("q_norm.weight", ("head_dim",)),
     ("k_norm.weight", ("head_dim",)),
     ("norm.weight", ("norm",)),  # the final model.norm and the GDN gated norm (linear_attn.norm)
+    ("mtp.fc.weight", (None, "hidden")),  # the MTP head's [H, 2H] projection: replicated, like the router
+    ("pre_fc_norm_embedding.weight", ("norm",)),
+    ("pre_fc_norm_hidden.weight", ("norm",)),
 )
 
 
