@@ -20,6 +20,7 @@ _LAZY = {
     "save_hf_checkpoint": "qwen35.weights",
     "load_tokenizer": "qwen35.weights",
     "CheckpointError": "qwen35.weights",
+    "load_trained": "qwen35.weights",
 }
 
 __all__ = ["ConfigError", "Qwen35Config", "get_preset", "qwen35_35b_a3b", "qwen35_397b_a17b", "tiny", *_LAZY]
