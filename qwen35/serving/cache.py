@@ -113,10 +113,12 @@ class PoolLayout(NamedTuple):
         return self.rec_units + self.conv_units
 
 
-def pool_layout(config: Qwen35Config, page_size: int, dtype) -> PoolLayout:
-    """The pool's geometry for `config` with `page_size`-token pages in `dtype` (float32 or bfloat16)."""
+def pool_layout(config: Qwen35Config, page_size: int, dtype, *, attention_layers: int | None = None) -> PoolLayout:
+    """The pool's geometry for `config` with `page_size`-token pages in `dtype` (float32 or bfloat16).
+    `attention_layers`: the layers with pages in the pool (default the model's full-attention layers; a
+    speculative engine adds the MTP head's, whose pages follow the model's: units 2A and 2A + 1)."""
     c = config
-    A, n_gdn = c.num_full_layers, c.num_linear_layers
+    A, n_gdn = c.num_full_layers if attention_layers is None else attention_layers, c.num_linear_layers
     if A == 0:
         raise ValueError("the unified cache pool sizes its blocks by the attention layers' pages; this config has "
                          "no full-attention layer (layer_types), so it has nothing to page")
@@ -204,13 +206,14 @@ class PagedHybridCache(NamedTuple):
 
 
 def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtype=jnp.float32, *,
-                     ranks: int | None = None, sharding=None) -> PagedHybridCache:
+                     ranks: int | None = None, sharding=None, attention_layers: int | None = None
+                     ) -> PagedHybridCache:
     """A zero pool of `num_blocks` blocks of `page_size`-token pages (`pool_layout`).
 
     With `ranks` (the engine on a mesh), the pool gets a leading [ranks] axis: rank r's own blocks, numbered from 0
     as on one device. `sharding` (a `NamedSharding` splitting that axis) creates each rank's share on its own
     device, so no device ever holds another rank's cache."""
-    lay = pool_layout(config, page_size, dtype)
+    lay = pool_layout(config, page_size, dtype, attention_layers=attention_layers)
     shape = (() if ranks is None else (ranks,)) + (lay.units_per_block, num_blocks, lay.unit)
 
     def make():
@@ -221,7 +224,8 @@ def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtyp
 
 def _layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
     unit = pool.shape[-1]
-    return pool_layout(config, unit // (config.num_key_value_heads * config.head_dim), pool_dtype(pool))
+    return pool_layout(config, unit // (config.num_key_value_heads * config.head_dim), pool_dtype(pool),
+                       attention_layers=pool.shape[-3] // 2)
 
 
 def _state_units(lay: PoolLayout, j, blocks: jax.Array):

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_layout
-from qwen35.serving.runner import DataParallel, FusedStep, LayerwiseStep, StepBatch, padding_batch
+from qwen35.serving.runner import DataParallel, DraftStep, FusedStep, LayerwiseStep, StepBatch, padding_batch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
 
@@ -73,6 +73,7 @@ class StepShape(NamedTuple):
     Sp: int  # prefill rows
     Lb: int  # prefill block length
     Pc: int  # context pages per prefill row
+    Sv: int = 0  # verify rows (speculative decoding)
 
 
 def _pow2(n: int, lo: int) -> int:
@@ -84,6 +85,12 @@ def _page_width(n: int) -> int:
     reads every page of the width, so the rounding is work: 36 pages (9K tokens in 256-token pages) read 40, not
     64, for a few more compiled shapes over a long run (1, 2, 4, 8, 16, 24, 32, 40 on the way to 9K)."""
     return _pow2(n, 1) if n <= 8 else -(-n // 8) * 8
+
+
+def _verifies(row) -> bool:
+    """Whether a scheduled (request, tokens) row verifies drafts: more tokens than the request has uncomputed."""
+    req, n = row
+    return n > req.num_tokens - req.num_computed
 
 
 def _pow4(n: int, lo: int) -> int:
@@ -110,9 +117,10 @@ class Rank:
     tokens in flight on it (prompt + max_tokens of its unfinished requests: what a new request's placement
     balances)."""
 
-    def __init__(self, max_num_seqs, max_num_batched_tokens, num_blocks, block_size, state_blocks, chunked):
+    def __init__(self, max_num_seqs, max_num_batched_tokens, num_blocks, block_size, state_blocks, chunked,
+                 lookahead=0):
         self.blocks = BlockAllocator(num_blocks, block_size, state_blocks)
-        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, chunked)
+        self.scheduler = Scheduler(max_num_seqs, max_num_batched_tokens, self.blocks, chunked, lookahead)
         self.load = 0
 
     def add(self, req: Request) -> None:
@@ -194,8 +202,17 @@ class Engine:
     def __init__(self, model, max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, block_size: int = 256,
                  num_blocks: int | None = None, *, max_model_len: int | None = None,
                  enable_chunked_prefill: bool = True, tokenizer=None, cache_dtype=None, record_history: bool = True,
-                 fused: bool | None = None, min_batch_rows: int = 1, min_page_width: int = 1, mesh=None):
+                 fused: bool | None = None, min_batch_rows: int = 1, min_page_width: int = 1, mesh=None,
+                 speculative_tokens: int = 0):
         c = model.config
+        k = speculative_tokens
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"speculative_tokens must be an integer >= 0 (0: no speculative decoding), got {k!r}")
+        if k and getattr(model, "mtp", None) is None:
+            raise ValueError(f"speculative_tokens={k} drafts with the model's multi-token-prediction head, but this "
+                             f"model has none: build it with Qwen35ForCausalLM(config, mtp=True), or load it with "
+                             f"load_hf_checkpoint(..., mtp=True) / qwen35.load_trained(mtp=True)")
+        self.speculative_tokens = k = int(k)
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, "
                              f"{max_num_batched_tokens}")
@@ -210,27 +227,37 @@ class Engine:
         self.model, self.config = model, c
         self.max_num_seqs, self.max_num_batched_tokens, self.block_size = max_num_seqs, max_num_batched_tokens, block_size
         cache_dtype = cache_dtype or model.dtype
-        self.layout = pool_layout(c, block_size, cache_dtype)
+        # Speculative decoding (see `step`): the MTP head's attention gets pages in the pool after the model's, a
+        # sequence keeps its GDN state after each of a verify step's k + 1 tokens (k + 1 groups of state blocks),
+        # and its K/V may run 2k positions past its committed tokens (the verified drafts, then the next drafts).
+        self.layout = pool_layout(c, block_size, cache_dtype, attention_layers=c.num_full_layers + (
+            c.mtp_num_hidden_layers if k else 0))
+        self.state_blocks = self.layout.state_blocks * (k + 1)  # per sequence
+        self.lookahead = 2 * k  # positions past max_model_len a sequence may write
+        span = self.max_model_len + self.lookahead
         if num_blocks is None:
-            num_blocks = max_num_seqs * (math.ceil(self.max_model_len / block_size) + self.layout.state_blocks) + 1
-        if num_blocks < self.layout.state_blocks + 2:
+            num_blocks = max_num_seqs * (math.ceil(span / block_size) + self.state_blocks) + 1
+        if num_blocks < self.state_blocks + 2:
             raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence: its GDN state takes "
-                             f"{self.layout.state_blocks} blocks, plus a page and the scratch block; raise num_blocks")
+                             f"{self.state_blocks} blocks, plus a page and the scratch block; raise num_blocks")
         self.num_blocks = num_blocks
         self.chunked = enable_chunked_prefill
-        self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, self.layout.state_blocks,
-                           enable_chunked_prefill) for _ in range(self.num_ranks)]
+        self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, self.state_blocks,
+                           enable_chunked_prefill, max(0, k - 1)) for _ in range(self.num_ranks)]
         self.min_batch_rows, self.min_page_width = min_batch_rows, min_page_width
         self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)  # the most rows a step can have
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
-        self.page_bucket = _page_width(math.ceil(self.max_model_len / block_size))
+        self.page_bucket = _page_width(math.ceil(span / block_size))
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
         # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
         self.fused = (jax.default_backend() != "cpu") if fused is None else fused
         self._run = FusedStep(model, self.dp) if self.fused else LayerwiseStep(model, self.dp)
+        self._draft = DraftStep(model, self.dp) if k else None
         self.cache = init_paged_cache(c, num_blocks, block_size, cache_dtype,
                                       ranks=None if self.dp is None else self.dp.size,
-                                      sharding=None if self.dp is None else self.dp.sharding())
+                                      sharding=None if self.dp is None else self.dp.sharding(),
+                                      attention_layers=self.layout.attention_layers)
+        self.num_drafted = self.num_accepted = 0  # drafts verified, and kept
         self.backend = c.backend
         self.requests: dict[object, Request] = {}
         self._ids = itertools.count()
@@ -291,8 +318,8 @@ class Engine:
         if len(ids) >= L:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len {L} (it needs room for at "
                              f"least one output token); shorten it or build the Engine with a larger max_model_len")
-        need = min(len(ids) + params.max_tokens, L)
-        room = (self.num_blocks - 1 - self.layout.state_blocks) * self.block_size
+        need = min(len(ids) + params.max_tokens, L) + self.lookahead
+        room = (self.num_blocks - 1 - self.state_blocks) * self.block_size
         if need > room:
             raise ValueError(f"prompt + max_tokens = {need} tokens exceed the whole cache pool ({room} tokens of KV "
                              f"beside the sequence's GDN state); lower max_tokens or raise num_blocks")
@@ -335,18 +362,21 @@ class Engine:
         Sb = min(_pow2(len(sched), self.min_batch_rows), self.seq_bucket)
         if self.backend == "pallas":  # the kernel reads only each sequence's own pages: a wide table costs nothing
             P = self.page_bucket
-        else:  # the XLA path reads every page of the table
-            longest = max((-(-(r.num_computed + n) // bs) for r, n in sched), default=1)
+        else:  # the XLA path reads every page of the table (and the MTP drafts' pages past the step's tokens)
+            ahead = self.ranks[0].scheduler.lookahead
+            longest = max((-(-(r.num_computed + n + ahead) // bs) for r, n in sched), default=1)
             P = min(_page_width(max(longest, self.min_page_width)), self.page_bucket)
-        pf = [s for s, n in enumerate(q_lens) if n > 1]
+        nv = sum(map(_verifies, sched))
+        pf = [s for s, rn in enumerate(sched) if rn[1] > 1 and not _verifies(rn)]
+        Sv = min(_pow2(nv, 1), Sb) if nv else 0
         if not pf:
-            return StepShape(Sb, P, Sb, 0, 1, 0)
+            return StepShape(Sb, P, min(_pow2(sum(q_lens), Sb), self.token_bucket) if nv else Sb, 0, 1, 0, Sv)
         Sp = min(_pow4(len(pf), 1), Sb)
         Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
         Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
         ctx = max(-(-sched[s][0].num_computed // bs) for s in pf)
         Pc = min(_page_width(ctx), P) if ctx else 0
-        return StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P))
+        return StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P), Sv)
 
     def _whole_table(self, Pc: int, Lb: int, P: int) -> int:
         """Pc, or P when context + chunk keys would reach the whole block table anyway (then read the table)."""
@@ -361,11 +391,13 @@ class Engine:
         blocks = self.ranks[rank].blocks
         q_lens = [n for _, n in sched]
         S, T = len(sched), sum(q_lens)
-        pf = [s for s, n in enumerate(q_lens) if n > 1]
-        Sb, P, Tb, Sp, Lb, Pc = self.step_shape(sched) if shape is None else shape
+        verify = [s for s, rn in enumerate(sched) if _verifies(rn)]
+        pf = [s for s, rn in enumerate(sched) if rn[1] > 1 and not _verifies(rn)]
+        Sb, P, Tb, Sp, Lb, Pc, Sv = self.step_shape(sched) if shape is None else shape
+        NS, K1 = self.layout.state_blocks, self.speculative_tokens + 1
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
-        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=self.layout.state_blocks, page_size=bs)  # filled below
+        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=NS, page_size=bs, Sv=Sv, K1=K1)  # filled below
         ns = np.asarray(q_lens, np.int64)
         starts = np.fromiter((r.num_computed for r, _ in sched), np.int64, S)
         offs = np.zeros(S + 1, np.int64)
@@ -376,6 +408,9 @@ class Engine:
             st = req.num_computed
             if n == 1 and st >= len(req.prompt):  # a decode: the last sampled token
                 toks.append(req.output[st - len(req.prompt)])
+            elif n > req.num_tokens - st:  # a verify row: the last sampled token and the drafts
+                toks.append(req.output[st - len(req.prompt)])
+                toks.extend(req.drafts)
             else:
                 toks.extend(req.tokens(st, st + n))
             table = blocks.tables[id(req)]
@@ -393,8 +428,20 @@ class Engine:
         b.kv_lens[:S] = starts + ns
         b.num_seqs[0] = S
         b.last_idx[:S] = offs[1:] - 1
-        if S and self.layout.state_blocks:
-            b.state_blocks[:S] = [blocks.states[id(r)] for r, _ in sched]
+        if S and NS:  # (group 0 of a speculative engine's k + 1 groups: the state after the committed tokens)
+            b.state_blocks[:S] = [blocks.states[id(r)][:NS] for r, _ in sched]
+        for v, s in enumerate(verify):
+            b.spec_idx[v] = offs[s] + np.arange(K1)
+            b.spec_rows[v] = s
+            b.spec_states[v] = np.reshape(blocks.states[id(sched[s][0])], (K1, NS))
+        if self.speculative_tokens:  # the token after each packed token, for the MTP head (see StepBatch)
+            nxt = b.mtp_next
+            nxt[:T - 1] = b.tokens[1:T]
+            for s, (req, n) in enumerate(sched):
+                end = starts[s] + n
+                nxt[offs[s + 1] - 1] = -1 if end >= req.num_tokens else req.tokens(end, end + 1)[0]
+            for s in verify:
+                nxt[offs[s]:offs[s + 1]] = -1 - np.arange(K1)
         b.fresh[:S] = starts == 0
         for j, s in enumerate(pf):
             a, n = offs[s], q_lens[s]
@@ -416,8 +463,8 @@ class Engine:
         placed on its device (a rank with nothing to run gets a batch of padding)."""
         if self.dp is None:
             return self.build_batch(scheds[0])
-        Sb, P, Tb, Sp, Lb, Pc = (max(x) for x in zip(*(self.step_shape(s) for s in scheds if s)))
-        shape = StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P))
+        Sb, P, Tb, Sp, Lb, Pc, Sv = (max(x) for x in zip(*(self.step_shape(s) for s in scheds if s)))
+        shape = StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P), Sv)
         per_rank = [self.build_batch(s, r, shape) for r, s in enumerate(scheds)]
         return jax.device_put(StepBatch(*(np.stack(f) for f in zip(*per_rank))), self.dp.sharding())
 
@@ -431,37 +478,61 @@ class Engine:
                 raise RuntimeError("the scheduler could not run any request: a queued request does not fit the cache")
             return []
         batch = self._batch(scheds)
-        toks, logits, self.cache = self._run(self.cache, batch, backend=self.backend, return_logits=self.keep_logits)
-        toks = np.asarray(toks).reshape(self.num_ranks, -1)
+        k, R = self.speculative_tokens, self.num_ranks
+        toks, logits, self.cache = self._run(self.cache, batch, backend=self.backend, return_logits=self.keep_logits,
+                                             speculative=bool(k))
+        if k:  # the MTP head drafts the next step's guesses from this step's hidden states and emitted tokens
+            out, counts, hidden = toks
+            drafts, self.cache = self._draft(self.cache, batch, hidden, out, counts, k=k, backend=self.backend)
+            out = np.asarray(out).reshape(R, -1, k + 1)
+            counts, drafts = np.asarray(counts).reshape(R, -1), np.asarray(drafts).reshape(R, -1, k)
+        else:
+            out = np.asarray(toks).reshape(R, -1, 1)
         if self.keep_logits:
             logits = np.asarray(logits).reshape(self.num_ranks, *logits.shape[-2:])
-            self.last_logits = {r.request_id: logits[k, s] for k, sched in enumerate(scheds)
+            self.last_logits = {r.request_id: logits[q, s] for q, sched in enumerate(scheds)
                                 for s, (r, n) in enumerate(sched) if r.num_computed + n == r.num_tokens}
         events = []
-        for k, sched in enumerate(scheds):
-            rank = self.ranks[k]
+        kinds = []
+        for q, sched in enumerate(scheds):
+            rank = self.ranks[q]
             for s, (req, n) in enumerate(sched):
-                req.num_computed += n
+                verify = _verifies((req, n))
+                kinds.append("verify" if verify else "decode" if n == 1 and req.num_computed >= len(req.prompt)
+                             else "prefill")
+                count = int(counts[q, s]) if verify else 1
+                req.num_computed += count if verify else n  # a verify row commits its accepted drafts only
                 if req.num_computed < req.num_tokens:  # a prefill chunk that did not reach the end: nothing sampled
                     continue
-                tok = int(toks[k, s])
-                req.output.append(tok)
-                reason = None
-                if tok in req.params.stop_token_ids:
-                    reason = "stop"
-                elif len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
-                    reason = "length"
+                if verify:
+                    self.num_drafted += n - 1
+                    self.num_accepted += count - 1
+                new, reason = [], None
+                for tok in out[q, s, :count].tolist():
+                    req.output.append(tok)
+                    new.append(tok)
+                    if tok in req.params.stop_token_ids:
+                        reason = "stop"
+                    elif len(req.output) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                        reason = "length"
+                    if reason:
+                        break
                 if reason:
                     rank.finish(req, reason)
-                events.append(StepEvent(req.request_id, [tok], reason is not None, reason))
+                elif k:
+                    if count > 1:  # the state after the last accepted token is group count - 1: make it group 0
+                        st, NS = rank.blocks.states[id(req)], self.layout.state_blocks
+                        a = (count - 1) * NS
+                        st[:NS], st[a:a + NS] = st[a:a + NS], st[:NS]
+                    req.drafts = drafts[q, s].tolist()
+                events.append(StepEvent(req.request_id, new, reason is not None, reason))
         self.num_steps += 1
         if self.record_history:
-            flat = [(k, r, n) for k, sched in enumerate(scheds) for r, n in sched]
+            flat = [(q, r, n) for q, sched in enumerate(scheds) for r, n in sched]
             self.history.append({
                 "step": self.num_steps, "seconds": time.perf_counter() - t0,
-                "rows": [(r.request_id, n, "decode" if n == 1 and r.num_computed > len(r.prompt) else "prefill")
-                         for _, r, n in flat],
-                "row_ranks": [k for k, _, _ in flat],
+                "rows": [(r.request_id, n, kind) for (_, r, n), kind in zip(flat, kinds)],
+                "row_ranks": [q for q, _, _ in flat],
                 "tokens": sum(n for _, _, n in flat), "padded_tokens": int(np.prod(batch.tokens.shape)),
                 "free_pages": sum(r.blocks.num_free for r in self.ranks),
                 "free_pages_per_rank": [r.blocks.num_free for r in self.ranks],

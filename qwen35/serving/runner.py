@@ -59,12 +59,12 @@ from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_ru
 from qwen35.model import bind_program, output_logits
 from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, pool_dtype, read_state,
                                   to_pool, write_state)
-from qwen35.serving.sampling import sample
+from qwen35.serving.sampling import sample, verify_drafts
 from qwen35.sharding import moe_ep_local
 from qwen35.sharding.exchange import native_ragged
 
 __all__ = ["StepBatch", "padding_batch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
-           "LayerwiseStep"]
+           "LayerwiseStep", "DraftStep"]
 
 
 class StepBatch(NamedTuple):
@@ -99,10 +99,18 @@ class StepBatch(NamedTuple):
     top_p: jax.Array         # [Sb] float32
     seeds: jax.Array         # [Sb] uint32
     counters: jax.Array      # [Sb] tokens generated so far (folds into the row's key)
+    # Speculative decoding (`Engine(speculative_tokens=k)`): Sv verify rows of K1 = k + 1 tokens each (the last
+    # token and k drafts), their GDN states kept after every token (`spec_states`: one group of state blocks per
+    # position, group 0 the row's own `state_blocks`), and what the MTP head reads after the step.
+    spec_idx: jax.Array      # [Sv, K1] packed index of each verify row's tokens (Tb for padding entries)
+    spec_rows: jax.Array     # [Sv] row of each verify entry (Sb for padding)
+    spec_states: jax.Array   # [Sv, K1, NS] state blocks where the GDN state after token i is written
+    mtp_next: jax.Array      # [Tb] the token after each packed token, for the MTP head: >= 0 when the host knows it
+                             # (the next prompt token), -1 - c for column c of the row's emitted tokens
 
 
 def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, state_blocks: int = 0,
-                  page_size: int = 1) -> StepBatch:
+                  page_size: int = 1, Sv: int = 0, K1: int = 1) -> StepBatch:
     """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row's
     `state_blocks` state blocks are `NO_BLOCK` (read as zeros, writes dropped), nothing is visible. `Engine.build_batch` starts from it and fills in the
     scheduled rows; an idle rank runs it as it is beside busy ones; its arrays' shapes are what a step is compiled
@@ -114,7 +122,9 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
                      gather_idx=z(Sp, Lb), gather_valid=z(Sp, Lb, dtype=bool), pf_rows=np.full(Sp, Sb, np.int32),
                      ctx_pages=np.full((Sp, Pc), SCRATCH_PAGE, np.int32), tok_row=z(Tb), tok_pf=z(Tb, dtype=bool),
                      tok_prow=z(Tb), tok_col=z(Tb), last_idx=z(Sb), temperature=z(Sb, dtype=np.float32),
-                     top_k=z(Sb), top_p=np.ones(Sb, np.float32), seeds=z(Sb, dtype=np.uint32), counters=z(Sb))
+                     top_k=z(Sb), top_p=np.ones(Sb, np.float32), seeds=z(Sb, dtype=np.uint32), counters=z(Sb),
+                     spec_idx=np.full((Sv, K1), Tb, np.int32), spec_rows=np.full(Sv, Sb, np.int32),
+                     spec_states=np.full((Sv, K1, state_blocks), NO_BLOCK, np.int32), mtp_next=z(Tb))
 
 
 # What each per-layer program reads of a StepBatch. `LayerwiseStep` hands a program only these fields (the rest
@@ -122,10 +132,10 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
 # width changes, the head not when its prefill block does.
 _MIXED_ROWS = ("last_idx", "tok_row", "gather_idx", "gather_valid", "pf_rows", "tok_pf", "tok_prow", "tok_col")
 BATCH_FIELDS = {
-    "gdn": _MIXED_ROWS + ("state_blocks", "fresh"),
+    "gdn": _MIXED_ROWS + ("state_blocks", "fresh", "spec_idx", "spec_rows", "spec_states"),
     "attention": _MIXED_ROWS + ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices", "num_seqs",
-                                "ctx_pages"),
-    "head": ("last_idx", "temperature", "top_k", "top_p", "seeds", "counters"),
+                                "ctx_pages", "spec_idx", "spec_rows"),
+    "head": ("last_idx", "temperature", "top_k", "top_p", "seeds", "counters", "tokens", "spec_idx", "spec_rows"),
 }
 
 
@@ -219,6 +229,12 @@ def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
                 mask = jnp.concatenate([ctx, mask], axis=-1)
         o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
         o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
+    Sv, K1 = b.spec_idx.shape
+    if Sv:  # verify rows (a speculative step): each token attends causally to its row's pages, itself included
+        r = jnp.minimum(b.spec_rows, Sb - 1)
+        mask = key_pos[None, None, :] <= b.positions[b.spec_idx][..., None]  # [Sv, K1, L]
+        o_sp = _softmax_attend("pj,p", qf[b.spec_idx], k[r], v[r], mask, scale)  # [Sv, K1, Hkv, G, D]
+        o = o.at[b.spec_idx.reshape(-1)].set(o_sp.reshape(Sv * K1, *o.shape[1:]), mode="drop")
     return o.reshape(T, Hq, D).astype(q.dtype)
 
 
@@ -297,7 +313,28 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(x.dtype)[b.tok_prow, b.tok_col], o)
-    return gdn.output(o, z), write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
+    pool = write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
+    Sv, K1 = b.spec_idx.shape
+    if Sv:  # verify rows: the single-token rule token by token, the state after each written to its own group
+        r = jnp.minimum(b.spec_rows, Sb - 1)
+        conv, rec = conv0[r], rec0[r]
+        outs = []
+        for i in range(K1):  # after the rows' own write above: group 0 is the row's state blocks
+            t = b.spec_idx[:, i]
+            if pallas:
+                from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
+
+                o_i, conv, rec = fused_gdn_decode(
+                    mixed[t], a[t], bb[t], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
+                    num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
+            else:
+                y, conv = causal_conv1d_update(mixed[t], w, conv)
+                q, k, v = gdn.heads(y)
+                o_i, rec = gated_delta_rule_step(q, k, v, g[t], beta[t], rec)
+            outs.append(o_i.astype(x.dtype))
+            pool = write_state(gdn.config, pool, j, b.spec_states[:, i], conv, rec)
+        o = o.at[b.spec_idx.reshape(-1)].set(jnp.stack(outs, 1).reshape(Sv * K1, *o.shape[1:]), mode="drop")
+    return gdn.output(o, z), pool
 
 
 def _layer(layer, h, pool, idx, b: StepBatch, attend, routed_fn=None):
@@ -339,6 +376,90 @@ def _head(hp: HeadParams, h, b: StepBatch):
     return output_logits(hp.norm, hp.lm_head, hp.embed_tokens, h[b.last_idx])  # [Sb, V]: each row's last token
 
 
+def _identity(x):
+    return x
+
+
+def _head_spec(hp: HeadParams, h, b: StepBatch):
+    """The head of a speculative step: ((tokens [Sb, K1], counts [Sb], hidden [Tb, H] after the final norm: what
+    the MTP head reads), logits [Sb, V] of each row's last token). A row emits tokens[:count]: one sampled token,
+    or for a verify row its accepted drafts and one more (`verify_drafts`)."""
+    x = hp.norm(h)
+    logits = output_logits(_identity, hp.lm_head, hp.embed_tokens, x[b.last_idx])
+    toks = _sample(logits, b)
+    Sb, (Sv, K1) = toks.shape[0], b.spec_idx.shape
+    out, counts = jnp.broadcast_to(toks[:, None], (Sb, K1)), jnp.ones(Sb, jnp.int32)
+    if Sv:
+        r = jnp.minimum(b.spec_rows, Sb - 1)
+        lg = output_logits(_identity, hp.lm_head, hp.embed_tokens, x[b.spec_idx])  # [Sv, K1, V]
+        vt, vn = verify_drafts(lg, b.tokens[b.spec_idx[:, 1:]], b.temperature[r], b.top_k[r], b.top_p[r],
+                               b.seeds[r], b.counters[r])
+        out, counts = out.at[b.spec_rows].set(vt, mode="drop"), counts.at[b.spec_rows].set(vn, mode="drop")
+    return (out, counts, x), logits
+
+
+class DraftParams(nnx.Module):
+    """What the MTP drafter reads: the model's MTP head, embedding and lm_head (shared with it)."""
+
+    def __init__(self, model):
+        self.mtp = model.mtp
+        self.embed_tokens = model.model.embed_tokens
+        self.lm_head = model.lm_head
+        self.dtype = model.dtype
+        self.index = model.config.num_full_layers  # the MTP attention's pages: pool units 2·index, 2·index + 1
+
+
+def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, attend, routed_fn=None):
+    """k drafts per row [Sb, k] from the MTP head after a step, and the pool with the head's K/V written (traced).
+
+    First pass, over the step's own tokens: at every packed position t, the hidden state x_t (after the final
+    norm) and the token after it (`mtp_next`: the next prompt token, or the row's emitted tokens) -> the MTP
+    layer's K/V at t (a prefill chunk fills the head's cache as the model's) and, at each row's last committed
+    position, the first draft. Then k - 1 single-token passes, each from the previous pass's output state and
+    draft at the next position (vLLM's chained MTP drafting). Positions past what the verify step accepts get
+    K/V that the next step's first pass overwrites before anything reads them."""
+    mtp = dp.mtp
+    Sb, K1 = out.shape
+    col = jnp.clip(-1 - b.mtp_next, 0, K1 - 1)
+    nxt = jnp.where(b.mtp_next >= 0, b.mtp_next, out[b.tok_row, col])
+
+    def run(hidden, ids, batch, pool, step):
+        u = mtp.fc(jnp.concatenate([mtp.pre_fc_norm_embedding(dp.embed_tokens(ids, dp.dtype)),
+                                    mtp.pre_fc_norm_hidden(hidden.astype(dp.dtype))], -1))
+        v, pool = _layer(mtp.layers[step % len(mtp.layers)], u, pool, dp.index, batch, attend, routed_fn)
+        return mtp.norm(v), pool
+
+    def guess(hn):
+        return jnp.argmax(output_logits(_identity, dp.lm_head, dp.embed_tokens, hn), axis=-1).astype(jnp.int32)
+
+    hm, pool = run(x, nxt, b, pool, 0)
+    spec = jnp.zeros(Sb, bool).at[b.spec_rows].set(True, mode="drop")
+    sel = jnp.where(spec, b.last_idx - (K1 - counts), b.last_idx)  # each row's last committed position
+    h, d = hm[sel], guess(hm[sel])
+    drafts = [d]
+    if k > 1:
+        c = mtp.layers[0].self_attn.config
+        PS = pool.shape[-1] // (c.num_key_value_heads * c.head_dim)
+        P = b.page_indices.shape[1]
+        rows = jnp.arange(Sb, dtype=jnp.int32)
+        live = rows < b.num_seqs[0]
+        z = lambda *shape, dtype=jnp.int32: jnp.zeros(shape, dtype)  # noqa: E731
+        chain = b._replace(cu_q_lens=jnp.minimum(jnp.arange(Sb + 1, dtype=jnp.int32), b.num_seqs[0]),
+                           gather_idx=z(0, 1), gather_valid=z(0, 1, dtype=bool), pf_rows=z(0), ctx_pages=z(0, 0),
+                           tok_row=rows, tok_pf=z(Sb, dtype=bool), tok_prow=z(Sb), tok_col=z(Sb), last_idx=rows,
+                           spec_idx=z(0, 1), spec_rows=z(0), mtp_next=z(Sb))
+        for j in range(1, k):
+            pos = b.positions[sel] + j
+            ok = live & (pos // PS < P)
+            slot = b.page_indices[rows, jnp.minimum(pos // PS, P - 1)] * PS + pos % PS
+            step = chain._replace(tokens=d, positions=pos, slot_mapping=jnp.where(ok, slot, SCRATCH_PAGE * PS),
+                                  kv_lens=jnp.where(ok, pos + 1, 0))
+            h, pool = run(h, d, step, pool, j)
+            d = guess(h)
+            drafts.append(d)
+    return jnp.stack(drafts, axis=1), pool
+
+
 def _sample(logits, b: StepBatch):
     return jax.lax.cond(
         jnp.any(b.temperature > 0),
@@ -346,16 +467,21 @@ def _sample(logits, b: StepBatch):
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
-    """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code). `routed_fn`: how the
-    MoE sums its routed experts (default: the model's execution's, e.g. `moe_ep` for a sharded model)."""
+def _hidden(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
     if routed_fn is None and model.execution is not None:
         routed_fn = model.execution.routed_fn()
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     pool = cache.pool
     for layer, idx in zip(model.model.layers, layer_indices(model.model.layers)):
         h, pool = _layer(layer, h, pool, idx, b, attend, routed_fn)
-    return _head(HeadParams(model), h, b), PagedHybridCache(pool)
+    return h, PagedHybridCache(pool)
+
+
+def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
+    """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code). `routed_fn`: how the
+    MoE sums its routed experts (default: the model's execution's, e.g. `moe_ep` for a sharded model)."""
+    h, cache = _hidden(model, cache, b, attend, routed_fn)
+    return _head(HeadParams(model), h, b), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "backend", "return_logits"), donate_argnames=("cache",))
@@ -365,7 +491,12 @@ def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", 
     return _step(nnx.merge(graphdef, params), cache, batch, backend, return_logits)
 
 
-def _step(model, cache, batch, backend, return_logits, routed_fn=None):
+def _step(model, cache, batch, backend, return_logits, routed_fn=None, speculative=False):
+    """(tokens, logits or None, cache): tokens [Sb], or with `speculative` the tuple of `_head_spec`."""
+    if speculative:
+        h, cache = _hidden(model, cache, batch, attention_backend(backend), routed_fn)
+        toks, logits = _head_spec(HeadParams(model), h, batch)
+        return toks, (logits if return_logits else None), cache
     logits, cache = serving_forward(model, cache, batch, attention_backend(backend), routed_fn)
     return _sample(logits, batch), (logits if return_logits else None), cache
 
@@ -445,10 +576,11 @@ def _program(kind: str, module, dp: DataParallel | None = None, execution=None):
 def _build_step(merge, dp, specs, execution):
     routed = None if dp is None else dp.routed_fn()  # else the merged model's own execution's
 
-    @functools.partial(jax.jit, static_argnames=("backend", "return_logits"), donate_argnames=("cache",))
-    def run(leaves, cache, batch, *, backend, return_logits):
+    @functools.partial(jax.jit, static_argnames=("backend", "return_logits", "speculative"),
+                       donate_argnames=("cache",))
+    def run(leaves, cache, batch, *, backend, return_logits, speculative=False):
         def local(leaves, cache, batch):
-            return _step(merge(leaves), cache, batch, backend, return_logits, routed)
+            return _step(merge(leaves), cache, batch, backend, return_logits, routed, speculative)
         return _on_ranks(local, dp, specs)(leaves, cache, batch)
     return run
 
@@ -473,16 +605,33 @@ def _build_layer(merge, dp, specs, execution):
 
 
 def _build_head(merge, dp, specs, execution):
-    @functools.partial(jax.jit, static_argnames=("return_logits",))
-    def run(leaves, h, b, *, return_logits):
+    @functools.partial(jax.jit, static_argnames=("return_logits", "speculative"))
+    def run(leaves, h, b, *, return_logits, speculative=False):
         def local(leaves, h, b):
+            if speculative:
+                toks, logits = _head_spec(merge(leaves), h, b)
+                return toks, (logits if return_logits else None)
             logits = _head(merge(leaves), h, b)
             return _sample(logits, b), (logits if return_logits else None)
         return _on_ranks(local, dp, specs)(leaves, h, b)
     return run
 
 
-_BUILDERS = {"step": _build_step, "embed": _build_embed, "layer": _build_layer, "head": _build_head}
+def _build_draft(merge, dp, specs, execution):
+    src = dp if dp is not None else execution
+    routed = None if src is None else src.routed_fn()
+
+    @functools.partial(jax.jit, static_argnames=("backend", "k"), donate_argnames=("cache",))
+    def run(leaves, cache, b, x, out, counts, *, backend, k):
+        def local(leaves, cache, b, x, out, counts):
+            drafts, pool = _draft(merge(leaves), cache.pool, b, x, out, counts, k, attention_backend(backend), routed)
+            return drafts, PagedHybridCache(pool)
+        return _on_ranks(local, dp, specs)(leaves, cache, b, x, out, counts)
+    return run
+
+
+_BUILDERS = {"step": _build_step, "embed": _build_embed, "layer": _build_layer, "head": _build_head,
+             "draft": _build_draft}
 
 
 class FusedStep:
@@ -492,8 +641,10 @@ class FusedStep:
     def __init__(self, model, dp: DataParallel | None = None):
         self.run, self.leaves = _program("step", model, dp)
 
-    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
-        return self.run(self.leaves, cache, batch, backend=backend, return_logits=return_logits)
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False,
+                 speculative=False):
+        return self.run(self.leaves, cache, batch, backend=backend, return_logits=return_logits,
+                        speculative=speculative)
 
 
 class LayerwiseStep:
@@ -515,7 +666,8 @@ class LayerwiseStep:
         self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
 
-    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False):
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False,
+                 speculative=False):
         embed, leaves = self.embed
         h = embed(leaves, batch.tokens, dtype=self.dtype)
         pool = cache.pool
@@ -523,5 +675,18 @@ class LayerwiseStep:
         for (layer, leaves), idx, reads in zip(self.layers, self.indices, self.reads):
             h, pool = layer(leaves, idx, h, pool, views[reads], backend=backend)
         head, leaves = self.head
-        toks, logits = head(leaves, h, views["head"], return_logits=return_logits)
+        toks, logits = head(leaves, h, views["head"], return_logits=return_logits, speculative=speculative)
         return toks, logits, PagedHybridCache(pool)
+
+
+class DraftStep:
+    """The MTP drafter after a speculative step (`_draft`), one jitted program bound to `model`'s MTP head; with
+    `dp`, it runs every data-parallel rank as the step does."""
+
+    def __init__(self, model, dp: DataParallel | None = None):
+        execution = model.execution if dp is None else None
+        self.run, self.leaves = _program("draft", DraftParams(model), dp, execution)
+
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, hidden, out, counts, *, k: int,
+                 backend: str = "xla"):
+        return self.run(self.leaves, cache, batch, hidden, out, counts, backend=backend, k=k)

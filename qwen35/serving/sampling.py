@@ -3,6 +3,9 @@
 Each row of a step has its own temperature, top-k, top-p and seed. The random key of a row is
 `fold_in(key(seed), n)` with n the number of tokens the request has generated so far, so a request's samples
 depend only on its seed and its own logits, never on what else shares the batch (same seed → same tokens).
+
+`verify_drafts` is speculative decoding's acceptance rule: it keeps the drafted tokens the target model agrees
+with and replaces the first one it does not, so the tokens it emits follow the target's distribution exactly.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SamplingParams", "sampling_probs", "sample"]
+__all__ = ["SamplingParams", "sampling_probs", "sample", "verify_drafts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +74,44 @@ def sample(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: j
     logp = jnp.where(probs > 0, jnp.log(jnp.where(probs > 0, probs, 1.0)), -jnp.inf)
     drawn = jax.vmap(lambda k, lp: jax.random.categorical(k, lp))(keys, logp)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def verify_drafts(logits: jax.Array, drafts: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  seeds: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Speculative decoding's verification of k drafted tokens per row: (tokens [S, k + 1] int32, counts [S]): each
+    row emits tokens[:count], 1 <= count <= k + 1.
+
+    logits [S, k + 1, V]: the target model's logits at the row's last committed token and at each draft (position
+    i predicts the token after draft i); drafts [S, k]. The drafter is deterministic (the MTP head's argmax), so
+    its distribution q is one-hot on each draft and the standard rejection rule (Leviathan et al. 2023, "Fast
+    Inference from Transformers via Speculative Decoding", https://arxiv.org/abs/2211.17192) becomes: accept draft
+    i + 1 with probability p_i(draft) (min(1, p/q) with q = 1); at the first rejection emit a token from the
+    residual max(0, p_i - q_i) renormalised, which is p_i with the draft removed; if every draft is accepted, emit
+    a bonus token from p_k. Every emitted token then follows the target's distribution `sampling_probs` (its
+    temperature, top-k, top-p) exactly. Greedy rows (temperature 0) accept while the draft is the argmax and emit
+    the argmax where they stop: the same tokens as decoding one at a time. Position i of a row draws with
+    fold_in(key(seed), counter + i), split in two (the acceptance test and the replacement token)."""
+    S, K1, V = logits.shape
+    k = K1 - 1
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K1]
+    g_count = 1 + jnp.sum(jnp.cumprod(greedy[:, :k] == drafts, axis=1), axis=1)
+
+    rep = lambda x: jnp.repeat(x, K1)  # noqa: E731
+    probs = sampling_probs(logits.reshape(S * K1, V), rep(temperature), rep(top_k), rep(top_p)).reshape(S, K1, V)
+    keys = jax.vmap(lambda s, n: jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.key(s), n + i)))(
+        jnp.arange(K1)))(seeds, counters)  # [S, K1, 2]
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk[0])))(keys)  # [S, K1]
+    p_draft = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]  # [S, k]
+    accepted = jnp.sum(jnp.cumprod(u[:, :k] < p_draft, axis=1), axis=1)  # [S] drafts kept
+    rows = jnp.arange(S)
+    p_stop = probs[rows, accepted]  # [S, V]: where the row stops
+    rejected = drafts[rows, jnp.minimum(accepted, k - 1)]
+    resid = jnp.where((accepted < k)[:, None] & (jnp.arange(V)[None, :] == rejected[:, None]), 0.0, p_stop)
+    total = jnp.sum(resid, axis=-1, keepdims=True)
+    resid = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_stop)
+    logp = jnp.where(resid > 0, jnp.log(jnp.where(resid > 0, resid, 1.0)), -jnp.inf)
+    last = jax.vmap(lambda kk, lp: jax.random.categorical(kk[1], lp))(keys[rows, accepted], logp).astype(jnp.int32)
+    padded = jnp.concatenate([drafts, jnp.zeros((S, 1), drafts.dtype)], axis=1).astype(jnp.int32)
+    s_tokens = jnp.where(jnp.arange(K1)[None, :] == accepted[:, None], last[:, None], padded)
+    hot = temperature > 0
+    return (jnp.where(hot[:, None], s_tokens, greedy), jnp.where(hot, accepted + 1, g_count).astype(jnp.int32))

@@ -1,7 +1,8 @@
 """Continuous batching: which tokens of which requests run in the next step.
 
 Each step has a budget of `max_num_batched_tokens` tokens and at most `max_num_seqs` running sequences.
-  1. Running requests first, oldest first: a decoding request takes 1 token, a request still in prefill takes the
+  1. Running requests first, oldest first: a decoding request takes 1 token (1 + its drafts in a speculative
+     engine, when the budget has room: the step verifies them), a request still in prefill takes the
      rest of its prompt, cut to the budget left (chunked prefill). Each needs pages for its new tokens; when the
      free list is empty the newest running request is preempted — its pages and GDN state blocks freed, its
      progress dropped, and it goes back to the front of the queue to be recomputed (prompt + tokens generated so
@@ -43,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     rank: int = 0  # the data-parallel rank that runs it (`Engine` on a mesh)
     load: int = 0  # tokens it may hold: prompt + max_tokens (what the engine balances ranks by)
+    drafts: list[int] = dataclasses.field(default_factory=list)  # the MTP head's guesses (speculative engine)
 
     @property
     def num_tokens(self) -> int:
@@ -57,9 +59,10 @@ class Request:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, blocks: BlockAllocator,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, lookahead: int = 0):
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.blocks, self.chunked = blocks, enable_chunked_prefill
+        self.lookahead = lookahead  # pages for this many tokens past a step's own (the MTP drafts' K/V)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -76,7 +79,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.num_computed, req.status = 0, WAITING
+        req.num_computed, req.status, req.drafts = 0, WAITING, []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -96,7 +99,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self.blocks.can_allocate(id(req), req.num_computed + n):
+            if n == 1 and req.drafts and 1 + len(req.drafts) <= budget:  # a decode with drafts: verify them too
+                n += len(req.drafts)
+            while not self.blocks.can_allocate(id(req), req.num_computed + n + self.lookahead):
                 victim = max(self.running, key=lambda r: r.arrival)  # the newest
                 self._preempt(victim)
                 preempted = True
@@ -104,7 +109,7 @@ class Scheduler:
                     break
             if req.status != RUNNING:
                 break
-            self.blocks.allocate(id(req), req.num_computed + n)
+            self.blocks.allocate(id(req), req.num_computed + n + self.lookahead)
             out.append((req, n))
             budget -= n
             i += 1
@@ -115,11 +120,11 @@ class Scheduler:
                 if not self.chunked and req.num_preemptions == 0:
                     break
                 n = budget
-            if not self.blocks.can_admit(id(req), n):  # its state blocks and first pages, from one pool
+            if not self.blocks.can_admit(id(req), n + self.lookahead):  # its state blocks and first pages
                 break
             self.waiting.popleft()
             self.blocks.allocate_state(id(req))
-            self.blocks.allocate(id(req), n)
+            self.blocks.allocate(id(req), n + self.lookahead)
             req.status = RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival)  # running stays in arrival order
             out.append((req, n))
