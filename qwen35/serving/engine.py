@@ -434,7 +434,7 @@ class Engine:
             b.spec_idx[v] = offs[s] + np.arange(K1)
             b.spec_rows[v] = s
             b.spec_states[v] = np.reshape(blocks.states[id(sched[s][0])], (K1, NS))
-        if self.speculative_tokens:  # the token after each packed token, for the MTP head (see StepBatch)
+        if self.speculative_tokens and T:  # the token after each packed token, for the MTP head (see StepBatch)
             nxt = b.mtp_next
             nxt[:T - 1] = b.tokens[1:T]
             for s, (req, n) in enumerate(sched):
