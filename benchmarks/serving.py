@@ -2,6 +2,7 @@
 
     python benchmarks/serving.py            # tiny preset, a few minutes on a 2-core CPU
     python benchmarks/serving.py --quick    # fewer requests, about a minute
+    python benchmarks/serving.py --speculative [--quick]   # only section 5, on the trained model
 
 1. Continuous vs static batching on a mixed-length workload (prompts 8–64 tokens, outputs 4–96), same model, same
    engine settings, one run: static batching admits the next batch of max_num_seqs requests only when the whole
@@ -15,6 +16,10 @@
 3. Page size 16 vs 256: the decode step time at the same batch and context.
 4. The engine's decode tokens/s against the model's own jitted decode at the same batch (`engine_vs_model`; the
    `small` preset, 8 and 32 sequences, the engine's defaults): what serving machinery costs over a bare loop.
+5. Speculative decoding (`--speculative`): the small model trained here (`qwen35.load_trained`, with its MTP head)
+   at concurrency 1, 4 and 16, greedy, prompts cut from the standard library's docstrings (its training text):
+   decode tokens/s with k = 1, 2, 3 drafts against k = 0 (the engines run interleaved step by step, as in 1), the
+   acceptance rate and the tokens each sequence gains per step; the outputs of every k are checked equal.
 
 Prints tables and saves JSON under `qwen35.utils.results_dir()` (serving_<backend>.json).
 """
@@ -150,6 +155,63 @@ def engine_vs_model(model, B: int, prompt_len: int = 16, new_tokens: int = 64, r
             "round_ratios": [round(a / b, 3) for a, b in runs]}
 
 
+def speculative(concurrencies=(1, 4, 16), ks=(0, 1, 2, 3), new_tokens: int = 48, repeats: int = 3) -> list[dict]:
+    """Section 5 (see the module docstring): one row per (concurrency, k)."""
+    from qwen35 import load_trained
+    from qwen35.train import stdlib_corpus
+
+    model, tok = load_trained(mtp=True)
+    docs = [d for d in stdlib_corpus(400_000).split("\n\n") if len(d) > 80]
+    rng = np.random.default_rng(0)
+    rows = []
+    for B in concurrencies:
+        reqs = [(tok.encode(docs[i]).ids[:8], SamplingParams(max_tokens=new_tokens))
+                for i in rng.choice(len(docs), size=2 * B, replace=False)]
+
+        def engines():
+            return {k: Engine(model, max_num_seqs=B, max_num_batched_tokens=max(64, 4 * B), block_size=16,
+                              max_model_len=128, speculative_tokens=k) for k in ks}
+
+        def run(engs):  # every engine's own steps timed, the engines interleaved step by step
+            gens = {k: _drive(e, reqs, static=False) for k, e in engs.items()}
+            secs = dict.fromkeys(gens, 0.0)
+            while gens:
+                for k in list(gens):
+                    t0 = time.perf_counter()
+                    try:
+                        next(gens[k])
+                    except StopIteration:
+                        del gens[k]
+                    secs[k] += time.perf_counter() - t0
+            return secs
+
+        warm = engines()
+        for k, e in warm.items():  # untimed: compiles every shape, and gives each k's outputs
+            outs = e.generate([p for p, _ in reqs], [sp for _, sp in reqs])
+            if k == ks[0]:
+                first = [o.token_ids for o in outs]
+            elif [o.token_ids for o in outs] != first:
+                raise AssertionError(f"speculative_tokens={k} changed the greedy output")
+        timed = [(run(engs), engs) for engs in (engines() for _ in range(repeats))]
+        n_out = sum(sp.max_tokens for _, sp in reqs)
+        for k in ks:
+            ratios = sorted(t[ks[0]] / t[k] for t, _ in timed)
+            secs = float(np.median([t[k] for t, _ in timed]))
+            e = timed[0][1][k]
+            rows.append({"concurrency": B, "k": k, "seconds": secs, "output_tps": n_out / secs,
+                         "speedup": ratios[len(ratios) // 2], "steps": e.num_steps,
+                         "acceptance": e.num_accepted / e.num_drafted if e.num_drafted else None,
+                         "tokens_per_seq_step": 1 + (e.num_accepted / e.num_drafted * k if e.num_drafted else 0)})
+    print(f"\n5. speculative decoding, trained stdlib-small model, greedy, 8-token prompts, {new_tokens} new tokens, "
+          f"2 x concurrency requests (median of {repeats} interleaved runs)")
+    print(f"{'conc':>5}{'k':>3}{'steps':>7}{'accept':>8}{'tok/seq/step':>14}{'out tok/s':>11}{'vs k=0':>8}")
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
+        print(f"{r['concurrency']:>5}{r['k']:>3}{r['steps']:>7}{acc:>8}{r['tokens_per_seq_step']:>14.2f}"
+              f"{r['output_tps']:>11,.0f}{r['speedup']:>7.2f}x")
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
@@ -158,8 +220,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=5, help="timed static/continuous pairs (the median pair is kept)")
     ap.add_argument("--vs-model-preset", default="small", help="the model of section 4 (engine vs model decode)")
     ap.add_argument("--skip-vs-model", action="store_true")
+    ap.add_argument("--speculative", action="store_true", help="only section 5: speculative decoding with MTP drafts")
     args = ap.parse_args(argv)
     print(env_summary())
+    if args.speculative:
+        rows = speculative(concurrencies=(1, 4) if args.quick else (1, 4, 16), repeats=2 if args.quick else 3)
+        out = {"machine": machine_info(), "speculative": rows}
+        print(f"saved {save_json(out, args.json, f'serving_speculative_{jax.default_backend()}.json')}")
+        return out
     model = Qwen35ForCausalLM(get_preset(args.preset), rngs=nnx.Rngs(0))
     V = model.config.vocab_size
     B = 8 if args.quick else 16

@@ -420,6 +420,54 @@ class Scenario:
                 "intensity": f["total"] / b["total"],
                 "tokens_per_s_per_chip": np.asarray(concurrency, dtype=float) / t / self.chips}
 
+    def speculative_decode_step(self, concurrency, context, k: int, acceptance: float) -> dict[str, Any]:
+        """A speculative decode step (`Engine(speculative_tokens=k)`): one target step verifying k drafts per
+        sequence, then the k MTP passes that draft the next ones. Works elementwise on arrays of concurrency.
+
+        verify: B·(k + 1) tokens of FLOPs; bytes: the weights once (under "touched", the experts B·(k + 1) tokens
+            select), each sequence's KV once, the GDN state as a plain step plus k more writes (the state after
+            each draft is kept until the verification picks one).
+        draft: k passes of B tokens through the MTP layer (one gated-attention + MoE layer, its weights a layer's
+            share of the model's, plus fc [H, 2H]) and the lm_head, each pass max(bytes, FLOPs) like a step.
+        tokens per sequence per step: 1 + a + a^2 + ... + a^k, each draft accepted with probability a
+            (`acceptance`) when the ones before it were (Leviathan et al. 2023)."""
+        cfg, p, n = self.model, self.precision, self.devices
+        B = np.asarray(concurrency, dtype=float)
+        K1 = k + 1
+        plain = self.decode_step(concurrency, context)
+        b = dict(self.bytes_per_device(B, context))
+        b["routed_experts"] = self.bytes_per_device(B * K1, context)["routed_experts"]
+        b["embedding_rows"] *= K1
+        once = b["gdn_state"] / (2 if self.state_writeback else 1)
+        b["gdn_state"] += k * once  # the state after each draft written too
+        b["total"] = sum(v for key, v in b.items() if key != "total")
+        f = self.flops_per_device(B * K1, context)
+        t_verify = np.maximum(b["total"] / self.bandwidth_per_device, self.compute_time(f))
+        # one MTP pass over B tokens
+        L, A, H = cfg.num_hidden_layers, cfg.num_full_layers, cfg.hidden_size
+        wb, pc = weight_bytes(cfg, p), cfg.param_counts()["components"]
+        dense_share = 1.0 if self.layout.dense_replicated else 1 / n
+        fc = 2 * H * H
+        layer_bytes = dense_share * (wb["attention"] / A + (wb["shared_experts"] + wb["router"]) / L
+                                     + fc * p.other_weight_bytes + wb["lm_head"])
+        experts = wb["routed_experts"] / L * self.experts_read_per_device(B) / cfg.num_experts
+        kv_layer = B * self._kv_share() * 2 * cfg.num_key_value_heads * cfg.head_dim * p.kv_bytes * np.asarray(
+            context, dtype=float)
+        pass_bytes = layer_bytes + experts + kv_layer
+        act = {name: c["active"] for name, c in pc.items()}
+        per_token = 2 * (act["attention"] / A + (act["routed_experts"] + act["shared_experts"] + act["router"]) / L
+                         + fc + act["lm_head"]) + 4 * cfg.num_attention_heads * cfg.head_dim * np.asarray(
+            context, dtype=float)
+        pass_flops = per_token * B / n
+        t_pass = np.maximum(pass_bytes / self.bandwidth_per_device, pass_flops / self.peak_per_device("bf16"))
+        step = t_verify + k * t_pass
+        tokens = sum(acceptance ** i for i in range(K1))
+        tps = B * tokens / step / self.chips
+        return {"step_s": step, "verify_s": t_verify, "draft_s": k * t_pass, "tokens_per_sequence": tokens,
+                "verify_memory_s": b["total"] / self.bandwidth_per_device, "verify_compute_s": self.compute_time(f),
+                "tokens_per_s_per_chip": tps, "speedup": tps / plain["tokens_per_s_per_chip"],
+                "plain_step_s": plain["step_s"]}
+
     def prefill(self, concurrency, input_len) -> dict[str, Any]:
         """Prefill of `concurrency` prompts of `input_len` tokens, in steps of `prefill_chunk` tokens per device.
 

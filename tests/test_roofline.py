@@ -283,3 +283,21 @@ def test_report_flags_a_cache_that_does_not_fit(sc):
     ok = roofline.format_report(roofline.report(sc, 64, 1024, 8192))
     bad = roofline.format_report(roofline.report(sc.replace(precision="bf16"), 64, 1024, 8192))
     assert "does NOT fit" not in ok and "does NOT fit" in bad  # 793 GB of bf16 weights do not fit 4 x 192 GiB
+
+
+def test_speculative_decode_step():
+    """k = 0 is the plain decode step; the tokens per step are the geometric sum (1 - a^(k+1)) / (1 - a); drafts that
+    are never accepted only cost; on the 397B host the weight-bound step gains from drafts at 64 sequences per chip
+    and gains less as the batch grows (the verify tokens' compute starts to count)."""
+
+    sc = Scenario.make()
+    plain = sc.decode_step(256, 9000)
+    r0 = sc.speculative_decode_step(256, 9000, 0, 0.7)
+    assert np.isclose(r0["step_s"], plain["step_s"]) and np.isclose(r0["speedup"], 1.0)
+    for k in (1, 2, 3):
+        r = sc.speculative_decode_step(256, 9000, k, 0.7)
+        assert np.isclose(r["tokens_per_sequence"], (1 - 0.7 ** (k + 1)) / (1 - 0.7))
+        assert r["step_s"] > plain["step_s"] and r["speedup"] > 1.3
+        assert sc.speculative_decode_step(256, 9000, k, 0.0)["speedup"] < 1.0
+    gains = [sc.speculative_decode_step(B, 9000, 2, 0.7)["speedup"] for B in (64, 512, 4096)]
+    assert gains[0] > gains[1] > gains[2]
