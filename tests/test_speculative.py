@@ -55,9 +55,10 @@ def assert_all_free(eng):
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_equals_plain_greedy(trained, prompts, reference, k):
     """Eight requests, four at a time, 32 tokens a step (the longer prompts are prefilled in chunks beside verify
-    rows): every request's tokens are generate's, drafts were accepted and rejected, nothing leaks."""
+    rows): every request's tokens are generate's, drafts were accepted and rejected, nothing leaks. k = 1 runs the
+    fused step (one program), k = 3 the per-layer programs (the CPU default)."""
     model, _ = trained
-    eng = engine(model, k)
+    eng = engine(model, k, fused=(k == 1))
     outs = eng.generate(prompts, SamplingParams(max_tokens=NEW))
     assert [o.token_ids for o in outs] == reference
     assert 0 < eng.num_accepted < eng.num_drafted, (eng.num_accepted, eng.num_drafted)

@@ -74,6 +74,7 @@ class StepShape(NamedTuple):
     Lb: int  # prefill block length
     Pc: int  # context pages per prefill row
     Sv: int = 0  # verify rows (speculative decoding)
+    verify_only: bool = False  # every row verifies drafts
 
 
 def _pow2(n: int, lo: int) -> int:
@@ -370,7 +371,8 @@ class Engine:
         pf = [s for s, rn in enumerate(sched) if rn[1] > 1 and not _verifies(rn)]
         Sv = min(_pow2(nv, 1), Sb) if nv else 0
         if not pf:
-            return StepShape(Sb, P, min(_pow2(sum(q_lens), Sb), self.token_bucket) if nv else Sb, 0, 1, 0, Sv)
+            return StepShape(Sb, P, min(_pow2(sum(q_lens), Sb), self.token_bucket) if nv else Sb, 0, 1, 0, Sv,
+                             nv == len(sched) > 0)
         Sp = min(_pow4(len(pf), 1), Sb)
         Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
         Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
@@ -393,11 +395,12 @@ class Engine:
         S, T = len(sched), sum(q_lens)
         verify = [s for s, rn in enumerate(sched) if _verifies(rn)]
         pf = [s for s, rn in enumerate(sched) if rn[1] > 1 and not _verifies(rn)]
-        Sb, P, Tb, Sp, Lb, Pc, Sv = self.step_shape(sched) if shape is None else shape
+        Sb, P, Tb, Sp, Lb, Pc, Sv, verify_only = self.step_shape(sched) if shape is None else shape
         NS, K1 = self.layout.state_blocks, self.speculative_tokens + 1
         # Per row, Python gathers only scalars and token lists; the per-token arrays are then built by numpy in
         # one pass (a step is on the critical path: at 16 rows a per-row numpy loop cost ~10% of a CPU decode step).
-        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=NS, page_size=bs, Sv=Sv, K1=K1)  # filled below
+        b = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=NS, page_size=bs, Sv=Sv, K1=K1,
+                          verify_only=verify_only)  # filled below
         ns = np.asarray(q_lens, np.int64)
         starts = np.fromiter((r.num_computed for r, _ in sched), np.int64, S)
         offs = np.zeros(S + 1, np.int64)
@@ -463,8 +466,9 @@ class Engine:
         placed on its device (a rank with nothing to run gets a batch of padding)."""
         if self.dp is None:
             return self.build_batch(scheds[0])
-        Sb, P, Tb, Sp, Lb, Pc, Sv = (max(x) for x in zip(*(self.step_shape(s) for s in scheds if s)))
-        shape = StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P), Sv)
+        shapes = [self.step_shape(s) for s in scheds if s]
+        Sb, P, Tb, Sp, Lb, Pc, Sv, _ = (max(x) for x in zip(*shapes))
+        shape = StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P), Sv, all(x.verify_only for x in shapes))
         per_rank = [self.build_batch(s, r, shape) for r, s in enumerate(scheds)]
         return jax.device_put(StepBatch(*(np.stack(f) for f in zip(*per_rank))), self.dp.sharding())
 

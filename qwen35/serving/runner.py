@@ -107,10 +107,12 @@ class StepBatch(NamedTuple):
     spec_states: jax.Array   # [Sv, K1, NS] state blocks where the GDN state after token i is written
     mtp_next: jax.Array      # [Tb] the token after each packed token, for the MTP head: >= 0 when the host knows it
                              # (the next prompt token), -1 - c for column c of the row's emitted tokens
+    verify_only: jax.Array   # [1] when every row of the step verifies drafts, else [0]: a fact of the shape, so
+                             # the program skips the single-token passes whose results the verify rows replace
 
 
 def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 0, *, state_blocks: int = 0,
-                  page_size: int = 1, Sv: int = 0, K1: int = 1) -> StepBatch:
+                  page_size: int = 1, Sv: int = 0, K1: int = 1, verify_only: bool = False) -> StepBatch:
     """A step of these sizes with no sequence in it (numpy): every token writes the scratch page, every row's
     `state_blocks` state blocks are `NO_BLOCK` (read as zeros, writes dropped), nothing is visible. `Engine.build_batch` starts from it and fills in the
     scheduled rows; an idle rank runs it as it is beside busy ones; its arrays' shapes are what a step is compiled
@@ -124,7 +126,8 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
                      tok_prow=z(Tb), tok_col=z(Tb), last_idx=z(Sb), temperature=z(Sb, dtype=np.float32),
                      top_k=z(Sb), top_p=np.ones(Sb, np.float32), seeds=z(Sb, dtype=np.uint32), counters=z(Sb),
                      spec_idx=np.full((Sv, K1), Tb, np.int32), spec_rows=np.full(Sv, Sb, np.int32),
-                     spec_states=np.full((Sv, K1, state_blocks), NO_BLOCK, np.int32), mtp_next=z(Tb))
+                     spec_states=np.full((Sv, K1, state_blocks), NO_BLOCK, np.int32), mtp_next=z(Tb),
+                     verify_only=z(int(verify_only)))
 
 
 # What each per-layer program reads of a StepBatch. `LayerwiseStep` hands a program only these fields (the rest
@@ -132,10 +135,11 @@ def padding_batch(Sb: int, P: int, Tb: int, Sp: int = 0, Lb: int = 1, Pc: int = 
 # width changes, the head not when its prefill block does.
 _MIXED_ROWS = ("last_idx", "tok_row", "gather_idx", "gather_valid", "pf_rows", "tok_pf", "tok_prow", "tok_col")
 BATCH_FIELDS = {
-    "gdn": _MIXED_ROWS + ("state_blocks", "fresh", "spec_idx", "spec_rows", "spec_states"),
+    "gdn": _MIXED_ROWS + ("state_blocks", "fresh", "spec_idx", "spec_rows", "spec_states", "verify_only"),
     "attention": _MIXED_ROWS + ("positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices", "num_seqs",
-                                "ctx_pages", "spec_idx", "spec_rows"),
-    "head": ("last_idx", "temperature", "top_k", "top_p", "seeds", "counters", "tokens", "spec_idx", "spec_rows"),
+                                "ctx_pages", "spec_idx", "spec_rows", "verify_only"),
+    "head": ("last_idx", "temperature", "top_k", "top_p", "seeds", "counters", "tokens", "spec_idx", "spec_rows",
+             "verify_only"),
 }
 
 
@@ -205,9 +209,12 @@ def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
     key_pos = jnp.arange(L, dtype=jnp.int32)
     live = jnp.arange(Sb) < b.num_seqs[0]
     visible = (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None]  # [Sb, L]
-    o_last = _softmax_attend("s,s", qf[b.last_idx], k, v, visible, scale)
-    o = o_last[b.tok_row]  # [Tb, Hkv, G, D]
     Sp, Lb = b.gather_idx.shape
+    Sv, K1 = b.spec_idx.shape
+    if b.verify_only.shape[0]:  # every row verifies drafts: the verify block below covers every token
+        o = jnp.zeros((T, Hkv, G, D), jnp.float32)
+    else:
+        o = _softmax_attend("s,s", qf[b.last_idx], k, v, visible, scale)[b.tok_row]  # [Tb, Hkv, G, D]
     if Sp:
         r = jnp.minimum(b.pf_rows, Sb - 1)
         valid = b.gather_valid
@@ -229,7 +236,6 @@ def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
                 mask = jnp.concatenate([ctx, mask], axis=-1)
         o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
         o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
-    Sv, K1 = b.spec_idx.shape
     if Sv:  # verify rows (a speculative step): each token attends causally to its row's pages, itself included
         r = jnp.minimum(b.spec_rows, Sb - 1)
         mask = key_pos[None, None, :] <= b.positions[b.spec_idx][..., None]  # [Sv, K1, L]
@@ -264,15 +270,52 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
     mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
     g, beta = gdn.gates(a, bb)
     w = gdn.conv1d.weight[...]
-    Kc = w.shape[-1]
     fresh = b.fresh
     conv_st, rec_st = read_state(gdn.config, pool, j, b.state_blocks, x.dtype)
     conv0 = jnp.where(fresh[:, None, None], 0, conv_st)  # [Sb, C, Kc]
     rec0 = jnp.where(fresh[:, None, None, None], 0.0, rec_st)  # [Sb, Hv, Dk, Dv] float32
 
     pallas = gdn.config.backend == "pallas"
-    # Every row: the single-token rule on its last token (exact for the rows with one token this step; the
-    # prefill rows' results are replaced below).
+    Sv, K1 = b.spec_idx.shape
+    if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
+        o = jnp.zeros((x.shape[0], gdn.num_v_heads, gdn.head_v_dim), x.dtype)
+    else:
+        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0)
+    if Sv:  # verify rows: the single-token rule token by token, the state after each kept in its own group
+        r = jnp.minimum(b.spec_rows, Sb - 1)
+        conv, rec = conv0[r], rec0[r]
+        outs, convs, recs = [], [], []
+        for i in range(K1):
+            t = b.spec_idx[:, i]
+            if pallas:
+                from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
+
+                o_i, conv, rec = fused_gdn_decode(
+                    mixed[t], a[t], bb[t], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
+                    num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
+            else:
+                y, conv = causal_conv1d_update(mixed[t], w, conv)
+                q, k, v = gdn.heads(y)
+                o_i, rec = gated_delta_rule_step(q, k, v, g[t], beta[t], rec)
+            outs.append(o_i.astype(x.dtype))
+            convs.append(conv)
+            recs.append(rec)
+        o = o.at[b.spec_idx.reshape(-1)].set(jnp.stack(outs, 1).reshape(Sv * K1, *o.shape[1:]), mode="drop")
+        flat = lambda t: jnp.stack(t, 1).reshape(Sv * K1, *t[0].shape[1:])  # noqa: E731
+        # one write for every group (after the rows' own write: group 0 is the row's state blocks)
+        pool = write_state(gdn.config, pool, j, b.spec_states.reshape(Sv * K1, -1), flat(convs), flat(recs))
+    return gdn.output(o, z), pool
+
+
+def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0):
+    """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
+    the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
+    pool)."""
+    Sb = b.state_blocks.shape[0]
+    Sp, Lb = b.gather_idx.shape
+    w = gdn.conv1d.weight[...]
+    Kc = w.shape[-1]
+    pallas = gdn.config.backend == "pallas"
     idx = b.last_idx
     if pallas:  # conv update, gates and the recurrent step in one kernel, the state read once and written once
         from qwen35.kernels.fused_gdn_decode import fused_gdn_decode  # lazy: the kernels import the layers
@@ -284,7 +327,7 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
         y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
         q, k, v = gdn.heads(y)
         o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
-    o = o_dec.astype(x.dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
+    o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
         c0, s0 = conv0[r], rec0[r]
@@ -312,29 +355,8 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
                                                   initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
-        o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(x.dtype)[b.tok_prow, b.tok_col], o)
-    pool = write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
-    Sv, K1 = b.spec_idx.shape
-    if Sv:  # verify rows: the single-token rule token by token, the state after each written to its own group
-        r = jnp.minimum(b.spec_rows, Sb - 1)
-        conv, rec = conv0[r], rec0[r]
-        outs = []
-        for i in range(K1):  # after the rows' own write above: group 0 is the row's state blocks
-            t = b.spec_idx[:, i]
-            if pallas:
-                from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
-
-                o_i, conv, rec = fused_gdn_decode(
-                    mixed[t], a[t], bb[t], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
-                    num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
-            else:
-                y, conv = causal_conv1d_update(mixed[t], w, conv)
-                q, k, v = gdn.heads(y)
-                o_i, rec = gated_delta_rule_step(q, k, v, g[t], beta[t], rec)
-            outs.append(o_i.astype(x.dtype))
-            pool = write_state(gdn.config, pool, j, b.spec_states[:, i], conv, rec)
-        o = o.at[b.spec_idx.reshape(-1)].set(jnp.stack(outs, 1).reshape(Sv * K1, *o.shape[1:]), mode="drop")
-    return gdn.output(o, z), pool
+        o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
+    return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 
 def _layer(layer, h, pool, idx, b: StepBatch, attend, routed_fn=None):
@@ -385,16 +407,21 @@ def _head_spec(hp: HeadParams, h, b: StepBatch):
     the MTP head reads), logits [Sb, V] of each row's last token). A row emits tokens[:count]: one sampled token,
     or for a verify row its accepted drafts and one more (`verify_drafts`)."""
     x = hp.norm(h)
-    logits = output_logits(_identity, hp.lm_head, hp.embed_tokens, x[b.last_idx])
-    toks = _sample(logits, b)
-    Sb, (Sv, K1) = toks.shape[0], b.spec_idx.shape
-    out, counts = jnp.broadcast_to(toks[:, None], (Sb, K1)), jnp.ones(Sb, jnp.int32)
+    Sb, (Sv, K1) = b.last_idx.shape[0], b.spec_idx.shape
+    if b.verify_only.shape[0]:  # every row verifies drafts: no single-token sampling
+        out, counts = jnp.zeros((Sb, K1), jnp.int32), jnp.ones(Sb, jnp.int32)
+        logits = None
+    else:
+        logits = output_logits(_identity, hp.lm_head, hp.embed_tokens, x[b.last_idx])
+        out, counts = jnp.broadcast_to(_sample(logits, b)[:, None], (Sb, K1)), jnp.ones(Sb, jnp.int32)
     if Sv:
         r = jnp.minimum(b.spec_rows, Sb - 1)
         lg = output_logits(_identity, hp.lm_head, hp.embed_tokens, x[b.spec_idx])  # [Sv, K1, V]
         vt, vn = verify_drafts(lg, b.tokens[b.spec_idx[:, 1:]], b.temperature[r], b.top_k[r], b.top_p[r],
                                b.seeds[r], b.counters[r])
         out, counts = out.at[b.spec_rows].set(vt, mode="drop"), counts.at[b.spec_rows].set(vn, mode="drop")
+        if logits is None:  # each verify row's logits at its last token
+            logits = jnp.zeros((Sb, lg.shape[-1]), lg.dtype).at[b.spec_rows].set(lg[:, -1], mode="drop")
     return (out, counts, x), logits
 
 
@@ -447,7 +474,7 @@ def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, attend, 
         chain = b._replace(cu_q_lens=jnp.minimum(jnp.arange(Sb + 1, dtype=jnp.int32), b.num_seqs[0]),
                            gather_idx=z(0, 1), gather_valid=z(0, 1, dtype=bool), pf_rows=z(0), ctx_pages=z(0, 0),
                            tok_row=rows, tok_pf=z(Sb, dtype=bool), tok_prow=z(Sb), tok_col=z(Sb), last_idx=rows,
-                           spec_idx=z(0, 1), spec_rows=z(0), mtp_next=z(Sb))
+                           spec_idx=z(0, 1), spec_rows=z(0), mtp_next=z(Sb), verify_only=z(0))
         for j in range(1, k):
             pos = b.positions[sel] + j
             ok = live & (pos // PS < P)

@@ -91,11 +91,18 @@ def verify_drafts(logits: jax.Array, drafts: jax.Array, temperature: jax.Array, 
     temperature, top-k, top-p) exactly. Greedy rows (temperature 0) accept while the draft is the argmax and emit
     the argmax where they stop: the same tokens as decoding one at a time. Position i of a row draws with
     fold_in(key(seed), counter + i), split in two (the acceptance test and the replacement token)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K1]
+    g_count = (1 + jnp.sum(jnp.cumprod(greedy[:, :-1] == drafts, axis=1), axis=1)).astype(jnp.int32)
+    hot = temperature > 0
+    return jax.lax.cond(  # an all-greedy batch skips the sampling work (sorting every position's logits)
+        jnp.any(hot),
+        lambda: _rejection(logits, drafts, temperature, top_k, top_p, seeds, counters, greedy, g_count),
+        lambda: (greedy, g_count))
+
+
+def _rejection(logits, drafts, temperature, top_k, top_p, seeds, counters, greedy, g_count):
     S, K1, V = logits.shape
     k = K1 - 1
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [S, K1]
-    g_count = 1 + jnp.sum(jnp.cumprod(greedy[:, :k] == drafts, axis=1), axis=1)
-
     rep = lambda x: jnp.repeat(x, K1)  # noqa: E731
     probs = sampling_probs(logits.reshape(S * K1, V), rep(temperature), rep(top_k), rep(top_p)).reshape(S, K1, V)
     keys = jax.vmap(lambda s, n: jax.vmap(lambda i: jax.random.split(jax.random.fold_in(jax.random.key(s), n + i)))(
