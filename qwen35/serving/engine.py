@@ -259,6 +259,7 @@ class Engine:
                                       sharding=None if self.dp is None else self.dp.sharding(),
                                       attention_layers=self.layout.attention_layers)
         self.num_drafted = self.num_accepted = 0  # drafts verified, and kept
+        self.accepted_hist = np.zeros(k + 1, np.int64)  # verify rows by the number of drafts they kept
         self.backend = c.backend
         self.requests: dict[object, Request] = {}
         self._ids = itertools.count()
@@ -511,6 +512,7 @@ class Engine:
                 if verify:
                     self.num_drafted += n - 1
                     self.num_accepted += count - 1
+                    self.accepted_hist[count - 1] += 1
                 new, reason = [], None
                 for tok in out[q, s, :count].tolist():
                     req.output.append(tok)
