@@ -80,14 +80,15 @@ def serve(engine: Engine, reqs, *, static: bool) -> dict:
     return _result(engine, reqs, time.perf_counter() - t0, engine.num_steps - steps0)
 
 
-def serve_interleaved(engines: dict[str, Engine], reqs) -> dict[str, dict]:
-    """The same reqs through a static and a continuous engine at once, one step of each in turn, each engine's
-    time summed over its own steps (host work included).
+def serve_interleaved(engines: dict, reqs, static=("static",)) -> dict:
+    """The same reqs through several engines at once (e.g. a static and a continuous one: the engines named in
+    `static` batch statically), one step of each in turn, each engine's time summed over its own steps (host
+    work included).
 
     The two modes then see the same machine: a shared CPU's speed drifts by tens of percent over seconds, which
     back-to-back runs of a few seconds each turn into ratio noise of the same size. The engines share the model's
     weights; each has its own cache."""
-    runs = {mode: _drive(e, reqs, static=(mode == "static")) for mode, e in engines.items()}
+    runs = {mode: _drive(e, reqs, static=(mode in static)) for mode, e in engines.items()}
     secs = dict.fromkeys(runs, 0.0)
     steps0 = {mode: e.num_steps for mode, e in engines.items()}
     while runs:
@@ -173,17 +174,7 @@ def speculative(concurrencies=(1, 4, 16), ks=(0, 1, 2, 3), new_tokens: int = 48,
                               max_model_len=128, speculative_tokens=k) for k in ks}
 
         def run(engs):  # every engine's own steps timed, the engines interleaved step by step
-            gens = {k: _drive(e, reqs, static=False) for k, e in engs.items()}
-            secs = dict.fromkeys(gens, 0.0)
-            while gens:
-                for k in list(gens):
-                    t0 = time.perf_counter()
-                    try:
-                        next(gens[k])
-                    except StopIteration:
-                        del gens[k]
-                    secs[k] += time.perf_counter() - t0
-            return secs
+            return {k: r["seconds"] for k, r in serve_interleaved(engs, reqs, static=()).items()}
 
         warm = engines()
         for k, e in warm.items():  # untimed: compiles every shape, and gives each k's outputs

@@ -323,8 +323,9 @@ class Engine:
         need = min(len(ids) + params.max_tokens, L) + self.lookahead
         room = (self.num_blocks - 1 - self.state_blocks) * self.block_size
         if need > room:
-            raise ValueError(f"prompt + max_tokens = {need} tokens exceed the whole cache pool ({room} tokens of KV "
-                             f"beside the sequence's GDN state); lower max_tokens or raise num_blocks")
+            extra = f" (+ {self.lookahead} positions for the drafts)" if self.lookahead else ""
+            raise ValueError(f"prompt + max_tokens{extra} = {need} tokens exceed the whole cache pool ({room} tokens "
+                             f"of KV beside the sequence's GDN state); lower max_tokens or raise num_blocks")
         if not self.chunked and len(ids) > self.max_num_batched_tokens:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
                              f"{self.max_num_batched_tokens} with chunked prefill off; enable it or raise the budget")

@@ -269,13 +269,11 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
     Sp, Lb = b.gather_idx.shape
     mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
     g, beta = gdn.gates(a, bb)
-    w = gdn.conv1d.weight[...]
     fresh = b.fresh
     conv_st, rec_st = read_state(gdn.config, pool, j, b.state_blocks, x.dtype)
     conv0 = jnp.where(fresh[:, None, None], 0, conv_st)  # [Sb, C, Kc]
     rec0 = jnp.where(fresh[:, None, None, None], 0.0, rec_st)  # [Sb, Hv, Dk, Dv] float32
 
-    pallas = gdn.config.backend == "pallas"
     Sv, K1 = b.spec_idx.shape
     if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
         o = jnp.zeros((x.shape[0], gdn.num_v_heads, gdn.head_v_dim), x.dtype)
@@ -286,17 +284,7 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
         conv, rec = conv0[r], rec0[r]
         outs, convs, recs = [], [], []
         for i in range(K1):
-            t = b.spec_idx[:, i]
-            if pallas:
-                from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
-
-                o_i, conv, rec = fused_gdn_decode(
-                    mixed[t], a[t], bb[t], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
-                    num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
-            else:
-                y, conv = causal_conv1d_update(mixed[t], w, conv)
-                q, k, v = gdn.heads(y)
-                o_i, rec = gated_delta_rule_step(q, k, v, g[t], beta[t], rec)
+            o_i, conv, rec = _gdn_token(gdn, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
             outs.append(o_i.astype(x.dtype))
             convs.append(conv)
             recs.append(rec)
@@ -305,6 +293,22 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
         # one write for every group (after the rows' own write: group 0 is the row's state blocks)
         pool = write_state(gdn.config, pool, j, b.spec_states.reshape(Sv * K1, -1), flat(convs), flat(recs))
     return gdn.output(o, z), pool
+
+
+def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
+    """The single-token rule for the packed tokens `idx` [R] from states conv [R, C, Kc] and rec [R, Hv, Dk, Dv]:
+    (o [R, Hv, Dv] float32, new conv, new rec). With `backend == "pallas"`, conv update, gates and the recurrent
+    step in one kernel (the state read once and written once)."""
+    w = gdn.conv1d.weight[...]
+    if gdn.config.backend == "pallas":
+        from qwen35.kernels.fused_gdn_decode import fused_gdn_decode  # lazy: the kernels import the layers
+
+        return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
+                                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
+    y, conv = causal_conv1d_update(mixed[idx], w, conv)
+    q, k, v = gdn.heads(y)
+    o, rec = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec)
+    return o, conv, rec
 
 
 def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0):
@@ -316,17 +320,7 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
     w = gdn.conv1d.weight[...]
     Kc = w.shape[-1]
     pallas = gdn.config.backend == "pallas"
-    idx = b.last_idx
-    if pallas:  # conv update, gates and the recurrent step in one kernel, the state read once and written once
-        from qwen35.kernels.fused_gdn_decode import fused_gdn_decode  # lazy: the kernels import the layers
-
-        o_dec, conv_new, rec_new = fused_gdn_decode(
-            mixed[idx], a[idx], bb[idx], conv0, rec0, w, gdn.A_log[...], gdn.dt_bias[...],
-            num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
-    else:
-        y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)
-        q, k, v = gdn.heads(y)
-        o_dec, rec_new = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec0)
+    o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
     o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
