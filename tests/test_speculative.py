@@ -43,7 +43,8 @@ def reference(trained, prompts):
 def engine(model, k, **kw):
     kw.setdefault("max_num_seqs", 4)
     kw.setdefault("max_num_batched_tokens", 32)
-    return Engine(model, block_size=16, max_model_len=96, speculative_tokens=k, min_batch_rows=4, **kw)
+    kw.setdefault("max_model_len", 96)
+    return Engine(model, block_size=16, speculative_tokens=k, min_batch_rows=4, **kw)
 
 
 def assert_all_free(eng):
@@ -91,6 +92,21 @@ def test_speculative_under_cache_pressure_stop_tokens_and_a_mesh(trained, prompt
     assert [o.token_ids for o in outs] == reference
     assert eng.num_accepted > 0
     assert {q for h in eng.history for q in h["row_ranks"]} == set(range(8))
+    assert_all_free(eng)
+
+
+@pytest.mark.timeout(600)
+def test_speculative_with_the_pallas_backend(trained, prompts, reference):
+    """`backend="pallas"` (TPU kernels in interpret mode): the verify rows go through the ragged paged attention
+    kernel as rows of k + 1 queries and the GDN decode kernel token by token; greedy tokens equal generate's (XLA
+    backend), with drafts accepted. Three requests, 8 tokens: the interpreter's compiles dominate."""
+    model, _ = trained
+    pal = Qwen35ForCausalLM(model.config.replace(backend="pallas"), rngs=nnx.Rngs(0), mtp=True)
+    nnx.update(pal, nnx.state(model))
+    eng = engine(pal, 2, max_model_len=64)
+    outs = eng.generate(prompts[:3], SamplingParams(max_tokens=8))
+    assert [o.token_ids for o in outs] == [r[:8] for r in reference[:3]]
+    assert eng.num_accepted > 0
     assert_all_free(eng)
 
 
