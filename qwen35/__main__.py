@@ -36,6 +36,9 @@ def cmd_info(args) -> dict:
     for name, c in pc["components"].items():
         print(f"{name:<16}{_fmt_params(c['total']):>12}{_fmt_params(c['active']):>14}")
     print(f"{'TOTAL':<16}{_fmt_params(pc['total']):>12}{_fmt_params(pc['active']):>14}")
+    if pc["mtp"]["total"]:
+        print(f"{'+ MTP head':<16}{_fmt_params(pc['mtp']['total']):>12}{_fmt_params(pc['mtp']['active']):>14}"
+              "   (the speculative drafter, beside the decoder)")
     cb = cfg.cache_bytes_per_sequence(args.context)
     print(f"per sequence at {args.context} tokens: KV {cb['kv_bytes'] / 2**20:.1f} MiB "
           f"({cb['kv_bytes_per_token'] / 1024:.1f} KiB/token, bf16), GDN state "

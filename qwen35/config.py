@@ -217,7 +217,10 @@ class Qwen35Config:
 
         "Active" counts what one token touches: everything except the routed experts it is not sent to (its
         k of E). Embedding and lm_head are both counted (they are read for every token). Returns a dict with
-        `total`, `active`, and `components`: {name: {"total": n, "active": n}}.
+        `total`, `active`, and `components`: {name: {"total": n, "active": n}}, and `mtp`: {"total", "active"} of
+        the multi-token-prediction head (`mtp_num_hidden_layers` full-attention + MoE layers, `fc` [H, 2H] and
+        three norms; it shares the embedding and lm_head), which the checkpoint carries beside the decoder and
+        `total` does not count.
         """
         H, V = self.hidden_size, self.vocab_size
         E, k, I, Is = self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size, self.shared_expert_intermediate_size
@@ -248,10 +251,15 @@ class Qwen35Config:
             "norms": (L * 2 * H + H, L * 2 * H + H),
         }
         out = {name: {"total": t, "active": a} for name, (t, a) in comps.items()}
+        mtp_layer = attn_layer + router_layer + shared_layer + 2 * H
+        n_mtp = self.mtp_num_hidden_layers
+        mtp_rest = 2 * H * H + 3 * H if n_mtp else 0  # fc, pre_fc_norm_embedding/hidden, norm
         return {
             "total": sum(t for t, _ in comps.values()),
             "active": sum(a for _, a in comps.values()),
             "components": out,
+            "mtp": {"total": n_mtp * (mtp_layer + routed_layer) + mtp_rest,
+                    "active": n_mtp * (mtp_layer + k * 3 * I * H) + mtp_rest},
         }
 
     def cache_bytes_per_sequence(self, context_len: int, kv_dtype_bytes: int = 2, state_dtype_bytes: int = 4) -> dict:

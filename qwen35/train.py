@@ -40,7 +40,7 @@ MTP_LOSS_WEIGHT = 0.3  # the MTP head's share of the loss (a drafter, not the mo
 
 
 def stdlib_small(**overrides) -> Qwen35Config:
-    """The trained model's shape: 2.6M parameters (with its MTP layer), both layer types, grouped GDN value heads, GQA, 8 experts top-2,
+    """The trained model's shape: 2.3M parameters (with its MTP layer), both layer types, grouped GDN value heads, GQA, 8 experts top-2,
     a shared expert, one MTP layer, tied embeddings (half the checkpoint otherwise)."""
     kw = dict(name="stdlib-small", hidden_size=160, num_hidden_layers=4, vocab_size=1024,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,

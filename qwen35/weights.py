@@ -752,6 +752,6 @@ TRAINED = Path(__file__).resolve().parent / "assets" / "stdlib-small"
 
 def load_trained(*, mtp: bool = True, dtype=jnp.float32, **kwargs):
     """(model, tokenizer) of the small Qwen3.5-MoE trained here on the standard library's docstrings
-    (`qwen35.train`; 2.6M parameters with its MTP head, bfloat16 on disk): a model that writes words, for the
+    (`qwen35.train`; 2.3M parameters with its MTP head, bfloat16 on disk): a model that writes words, for the
     notebooks and tests. `kwargs` go to `load_hf_checkpoint`."""
     return load_hf_checkpoint(TRAINED, mtp=mtp, dtype=dtype, progress=False, **kwargs), load_tokenizer(TRAINED)

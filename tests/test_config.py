@@ -142,3 +142,22 @@ def test_replace_validates():
     assert c.replace(backend="pallas").backend == "pallas"
     with pytest.raises(ConfigError):
         c.replace(num_experts=1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen35-397b-a17b"])
+def test_mtp_param_counts_match_the_module(preset):
+    """`param_counts()["mtp"]` counts the MTP head's parameters as built (abstractly: shapes only), outside
+    `total`; a config without the head counts none."""
+    import jax
+    from flax import nnx
+
+    from qwen35.model import Qwen35ForCausalLM
+
+    cfg = qwen35.get_preset(preset).replace(mtp_num_hidden_layers=1)
+    head = Qwen35ForCausalLM.abstract(cfg, mtp=True).mtp
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(head, nnx.Param)))
+    p = cfg.param_counts()
+    assert p["mtp"]["total"] == n
+    E, k, I, H = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.hidden_size
+    assert p["mtp"]["active"] == n - (E - k) * 3 * I * H
+    assert cfg.replace(mtp_num_hidden_layers=0).param_counts()["mtp"] == {"total": 0, "active": 0}
