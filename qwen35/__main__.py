@@ -99,7 +99,7 @@ def cmd_roofline(args) -> dict:
     from qwen35 import roofline
 
     sc = roofline.Scenario.make(args.model, args.hardware, args.chips, args.layout, args.precision,
-                                page_size=args.page_size)
+                                page_size=args.page_size, exchange=args.exchange)
     r = roofline.report(sc, args.concurrency, args.input_len, args.output_len)
     print(json.dumps(r, indent=2, default=float) if args.as_json else roofline.format_report(r))
     return r
@@ -107,7 +107,7 @@ def cmd_roofline(args) -> dict:
 
 def _add_roofline_parser(sub) -> None:
     from qwen35.config import PRESETS
-    from qwen35.roofline import HARDWARE, LAYOUTS, PRECISIONS
+    from qwen35.roofline import EXCHANGES, HARDWARE, LAYOUTS, PRECISIONS
 
     def positive(s: str) -> int:
         v = int(s)
@@ -125,6 +125,8 @@ def _add_roofline_parser(sub) -> None:
     r.add_argument("--layout", default="playbook", choices=sorted(LAYOUTS))
     r.add_argument("--precision", default="fp8", choices=sorted(PRECISIONS))
     r.add_argument("--page-size", type=positive, default=256, help="KV page (block) size in tokens")
+    r.add_argument("--exchange", default="overlapped", choices=EXCHANGES,
+                   help="the MoE exchange on the interconnect: hidden under the step, added to it, or ignored")
     r.add_argument("--json", dest="as_json", action="store_true", help="print the full breakdown as JSON")
     r.set_defaults(json=None)  # the shared --json PATH writer does not apply here
 

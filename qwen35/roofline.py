@@ -230,6 +230,9 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+EXCHANGES = ("overlapped", "serial", "ignored")
+
+
 def get_layout(name: str | Layout) -> Layout:
     if isinstance(name, Layout):
         return name
@@ -315,7 +318,10 @@ class Scenario:
 
     page_size: KV page (block) size in tokens; a sequence's KV is read in whole pages.
     state_writeback: count writing the GDN state back after each decode step (the published model reads it once).
-    prefill_chunk: tokens each device prefills per step (`max-num-batched-tokens` per core)."""
+    prefill_chunk: tokens each device prefills per step (`max-num-batched-tokens` per core).
+    exchange: how the MoE exchange's time on the interconnect (`comm_per_device`) enters a step: "overlapped"
+        (it runs beside the weight stream and the matmuls: step = max(memory, compute, exchange)), "serial"
+        (nothing hides it: step = max(memory, compute) + exchange) or "ignored" (the published analysis)."""
 
     model: Qwen35Config
     hardware: Hardware
@@ -325,6 +331,11 @@ class Scenario:
     page_size: int = 256
     state_writeback: bool = False
     prefill_chunk: int = 1024
+    exchange: str = "overlapped"
+
+    def __post_init__(self):
+        if self.exchange not in EXCHANGES:
+            raise RooflineError(f"Scenario.exchange must be one of {EXCHANGES}, got {self.exchange!r}.")
 
     @classmethod
     def make(cls, model="qwen35-397b-a17b", hardware="tpu-v7x", chips=4, layout="playbook", precision="fp8",
@@ -351,6 +362,44 @@ class Scenario:
 
     def peak_per_device(self, dtype: str) -> float:
         return self.hardware.peak(dtype) / self.hardware.devices_per_chip
+
+    @property
+    def interconnect_per_device(self) -> float:
+        """Bytes/s one device sends over the chips' interconnect: the chip's figure split over its devices (the
+        two devices of a v7x chip are counted as if they too talked over ICI: a conservative bound)."""
+        bw = self.hardware.interconnect_bandwidth
+        return float("inf") if bw is None else bw / self.hardware.devices_per_chip
+
+    def comm_per_device(self, tokens) -> dict[str, Any]:
+        """Bytes one device sends in one step over `tokens` tokens (all devices together; an array works), summed
+        over the model's layers, and their time on the interconnect.
+
+        DP attention (the post's layout): every MoE layer all-gathers the step's tokens and their packed routing
+        and reduce-scatters the experts' outputs (`qwen35.sharding.moe_comm_bytes(..., "allgather")`, which is
+        linear in the tokens per device t = tokens / n). TP attention: every device holds all tokens, so each
+        layer all-reduces its mixer's output and its MoE output over the n devices: 2 · 2(n−1)/n · tokens · H
+        bytes. Activations travel in bf16 (f32 under the "f32" precision). One device: nothing."""
+        cfg, n = self.model, self.devices
+        T = np.asarray(tokens, dtype=float)
+        b = self.precision.other_weight_bytes
+        if n == 1:
+            sent = 0.0 * T
+        elif self.layout.attention == "dp":
+            from qwen35.sharding import moe_comm_bytes  # lazy: the roofline needs no jax until here
+
+            per_token = moe_comm_bytes(cfg, 1, n, "allgather", dtype_bytes=int(b))["total"]  # t = 1
+            sent = cfg.num_hidden_layers * per_token * T / n
+        else:
+            sent = cfg.num_hidden_layers * 2 * 2 * (n - 1) / n * T * cfg.hidden_size * b
+        return {"bytes": sent, "time_s": sent / self.interconnect_per_device}
+
+    def _combine(self, t_mem, t_cmp, t_comm):
+        """A phase's time from its memory, compute and exchange times (see `exchange`)."""
+        if self.exchange == "overlapped":
+            return np.maximum(np.maximum(t_mem, t_cmp), t_comm)
+        if self.exchange == "serial":
+            return np.maximum(t_mem, t_cmp) + t_comm
+        return np.maximum(t_mem, t_cmp)
 
     # --- per-device shares ----------------------------------------------------------------------------------
     def _kv_share(self) -> float:
@@ -409,15 +458,17 @@ class Scenario:
     # --- phases ---------------------------------------------------------------------------------------------
     def decode_step(self, concurrency, context) -> dict[str, Any]:
         """One decode step (one new token for each of `concurrency` sequences at `context` tokens): time = max of
-        bytes per device / bandwidth per device and FLOPs per device / peak per device. Works elementwise on
-        numpy arrays of concurrency or context."""
+        bytes per device / bandwidth per device and FLOPs per device / peak per device, with the MoE exchange's
+        time on the interconnect (`comm_s`) entering as `exchange` says. Works elementwise on numpy arrays of
+        concurrency or context."""
         b = self.bytes_per_device(concurrency, context)
         f = self.flops_per_device(concurrency, context)
         t_mem = b["total"] / self.bandwidth_per_device
         t_cmp = self.compute_time(f)
-        t = np.maximum(t_mem, t_cmp)
-        return {"step_s": t, "memory_s": t_mem, "compute_s": t_cmp, "bytes": b, "flops": f,
-                "intensity": f["total"] / b["total"],
+        comm = self.comm_per_device(concurrency)
+        t = self._combine(t_mem, t_cmp, comm["time_s"])
+        return {"step_s": t, "memory_s": t_mem, "compute_s": t_cmp, "comm_s": comm["time_s"],
+                "comm_bytes": comm["bytes"], "bytes": b, "flops": f, "intensity": f["total"] / b["total"],
                 "tokens_per_s_per_chip": np.asarray(concurrency, dtype=float) / t / self.chips}
 
     def speculative_decode_step(self, concurrency, context, k: int, acceptance: float) -> dict[str, Any]:
@@ -428,7 +479,8 @@ class Scenario:
             select), each sequence's KV once, the GDN state as a plain step plus k more writes (the state after
             each draft is kept until the verification picks one).
         draft: k passes of B tokens through the MTP layer (one gated-attention + MoE layer, its weights a layer's
-            share of the model's, plus fc [H, 2H]) and the lm_head, each pass max(bytes, FLOPs) like a step.
+            share of the model's, plus fc [H, 2H]) and the lm_head, each pass max(bytes, FLOPs) with one MoE
+            layer's exchange, like a step.
         tokens per sequence per step: 1 + a + a^2 + ... + a^k, each draft accepted with probability a
             (`acceptance`) when the ones before it were (Leviathan et al. 2023)."""
         cfg, p, n = self.model, self.precision, self.devices
@@ -442,7 +494,8 @@ class Scenario:
         b["gdn_state"] += k * once  # the state after each draft written too
         b["total"] = sum(v for key, v in b.items() if key != "total")
         f = self.flops_per_device(B * K1, context)
-        t_verify = np.maximum(b["total"] / self.bandwidth_per_device, self.compute_time(f))
+        t_verify = self._combine(b["total"] / self.bandwidth_per_device, self.compute_time(f),
+                                 self.comm_per_device(B * K1)["time_s"])
         # one MTP pass over B tokens
         L, A, H = cfg.num_hidden_layers, cfg.num_full_layers, cfg.hidden_size
         wb, pc = weight_bytes(cfg, p), cfg.param_counts()["components"]
@@ -459,7 +512,8 @@ class Scenario:
                          + fc + act["lm_head"]) + 4 * cfg.num_attention_heads * cfg.head_dim * np.asarray(
             context, dtype=float)
         pass_flops = per_token * B / n
-        t_pass = np.maximum(pass_bytes / self.bandwidth_per_device, pass_flops / self.peak_per_device("bf16"))
+        t_pass = self._combine(pass_bytes / self.bandwidth_per_device, pass_flops / self.peak_per_device("bf16"),
+                               self.comm_per_device(B)["time_s"] / L)  # one MoE layer's exchange
         step = t_verify + k * t_pass
         tokens = sum(acceptance ** i for i in range(K1))
         tps = B * tokens / step / self.chips
@@ -474,7 +528,7 @@ class Scenario:
         Compute: every prompt token's FLOPs (causal attention: the token at position i attends to i+1 tokens, a
         prompt's attention total is T(T+1)/2 token-contexts). Memory: each step streams the device's weights once
         (all local experts: a chunk of ~1K tokens per device touches them all) plus the KV written.
-        Time = max(compute, memory), summed as if the steps were uniform."""
+        Time = max(compute, memory) (and the exchange as `exchange` says), summed as if the steps were uniform."""
         cfg, n = self.model, self.devices
         B, T = float(concurrency), float(input_len)
         tokens = B * T
@@ -488,8 +542,10 @@ class Scenario:
         b_total = steps * weights + kv_written
         t_mem = b_total / self.bandwidth_per_device
         t_cmp = self.compute_time(f)
-        t = max(t_mem, t_cmp)
-        return {"time_s": t, "memory_s": t_mem, "compute_s": t_cmp, "steps": steps, "flops": f,
+        comm = self.comm_per_device(tokens)
+        t = float(self._combine(t_mem, t_cmp, comm["time_s"]))
+        return {"time_s": t, "memory_s": t_mem, "compute_s": t_cmp, "comm_s": float(comm["time_s"]),
+                "comm_bytes": float(comm["bytes"]), "steps": steps, "flops": f,
                 "bytes": {"weights_per_step": weights, "kv_written": kv_written, "total": b_total},
                 "tokens_per_s_per_chip": tokens / t / self.chips}
 
@@ -550,6 +606,10 @@ def report(scenario: Scenario, concurrency: int, input_len: int, output_len: int
         "decode_memory_ms": float(d["memory_s"]) * 1e3,
         "decode_compute_ms": float(d["compute_s"]) * 1e3,
         "decode_bound": "memory" if d["memory_s"] >= d["compute_s"] else "compute",
+        "exchange": sc.exchange,
+        "interconnect_per_device": sc.interconnect_per_device,
+        "decode_comm_ms": float(d["comm_s"]) * 1e3,
+        "decode_comm_bytes_per_device": float(d["comm_bytes"]),
         "decode_bytes_per_device": fl(d["bytes"]),
         "decode_experts_read_per_device": float(sc.experts_read_per_device(concurrency)),
         "decode_flops_per_device": fl(d["flops"]),
@@ -558,6 +618,7 @@ def report(scenario: Scenario, concurrency: int, input_len: int, output_len: int
         "prefill_ms": pre["time_s"] * 1e3,
         "prefill_memory_ms": pre["memory_s"] * 1e3,
         "prefill_compute_ms": pre["compute_s"] * 1e3,
+        "prefill_comm_ms": pre["comm_s"] * 1e3,
         "prefill_flops_per_device": fl(pre["flops"]),
         "prefill_bytes_per_device": fl(pre["bytes"]),
         "prefill_tokens_per_s_per_chip": pre["tokens_per_s_per_chip"],
@@ -590,10 +651,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"  {'total':<44}{b['total'] / GBf:9.3f} GB  {r['decode_memory_ms']:8.3f} ms",
         f"  FLOPs {r['decode_flops_per_device']['total'] / 1e12:.3f} TFLOP -> {r['decode_compute_ms']:.3f} ms; "
         f"intensity {r['decode_intensity_flop_per_byte']:.1f} FLOP/B; {r['decode_bound']}-bound",
+        f"  MoE exchange {r['decode_comm_bytes_per_device'] / GBf:.3f} GB sent -> {r['decode_comm_ms']:.3f} ms at "
+        f"{r['interconnect_per_device'] / 1e9:,.0f} GB/s per device ({r['exchange']})",
         f"  decode step {r['decode_step_ms']:.2f} ms -> {r['decode_tokens_per_s_per_chip']:,.0f} generated "
         f"tokens/s/chip",
         "",
-        f"prefill: {r['prefill_ms']:.1f} ms (compute {r['prefill_compute_ms']:.1f}, memory {r['prefill_memory_ms']:.1f})"
+        f"prefill: {r['prefill_ms']:.1f} ms (compute {r['prefill_compute_ms']:.1f}, memory {r['prefill_memory_ms']:.1f}, "
+        f"exchange {r['prefill_comm_ms']:.1f})"
         f" -> {r['prefill_tokens_per_s_per_chip']:,.0f} input tokens/s/chip",
         f"wave: prefill {r['prefill_ms'] / 1e3:.2f} s + decode {r['decode_total_ms'] / 1e3:.2f} s = "
         f"{r['wave_ms'] / 1e3:.2f} s -> {r['end_to_end_tokens_per_s_per_chip']:,.0f} (input + output) / "

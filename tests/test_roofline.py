@@ -277,6 +277,8 @@ def test_library_bad_input_names_the_choices():
         Scenario.make(chips=0)
     with pytest.raises(RooflineError, match="'dp' or 'tp'"):
         roofline.Layout("x", attention="sp")
+    with pytest.raises(RooflineError, match="overlapped"):
+        Scenario.make(exchange="hidden")
 
 
 def test_report_flags_a_cache_that_does_not_fit(sc):
@@ -288,7 +290,7 @@ def test_report_flags_a_cache_that_does_not_fit(sc):
 def test_speculative_decode_step():
     """k = 0 is the plain decode step; the tokens per step are the geometric sum (1 - a^(k+1)) / (1 - a); drafts that
     are never accepted only cost; on the 397B host the weight-bound step gains from drafts at 64 sequences per chip
-    and gains less as the batch grows (the verify tokens' compute starts to count)."""
+    and gains less as the batch grows (the k extra GDN state writes grow with it)."""
 
     sc = Scenario.make()
     plain = sc.decode_step(256, 9000)
@@ -301,3 +303,30 @@ def test_speculative_decode_step():
         assert sc.speculative_decode_step(256, 9000, k, 0.0)["speedup"] < 1.0
     gains = [sc.speculative_decode_step(B, 9000, 2, 0.7)["speedup"] for B in (64, 512, 4096)]
     assert gains[0] > gains[1] > gains[2]
+
+
+ICI_DEV = 1200e9 / 2  # Ironwood: 1.2 TB/s of ICI per chip, 2 devices per chip
+
+
+def test_moe_exchange_on_the_interconnect(sc):
+    """The MoE exchange by hand: per layer each device all-gathers (n-1)·t tokens of H bf16 values and their packed
+    routing (2k int32), and reduce-scatters as many outputs, t = B/n; over 60 layers at the ICI rate per device.
+    At decode it hides under the weight stream (overlapped: the published step unchanged; serial: step + exchange);
+    at prefill it is most of the compute time, so overlapping it is what keeps prefill compute-bound. TP
+    attention all-reduces two [B, H] activations per layer instead."""
+    B, t = 512, 512 / N_DEV
+    per_layer = (N_DEV - 1) * t * (H * 2 + 2 * K * 4 + H * 2)
+    d = sc.decode_step(B, 5120)
+    assert d["comm_bytes"] == pytest.approx(L * per_layer)
+    assert d["comm_s"] == pytest.approx(L * per_layer / ICI_DEV)
+    assert d["comm_s"] < 0.05 * d["memory_s"] and d["step_s"] == d["memory_s"]
+    serial = sc.replace(exchange="serial").decode_step(B, 5120)
+    assert serial["step_s"] == pytest.approx(d["memory_s"] + d["comm_s"])
+    assert sc.replace(exchange="ignored").decode_step(B, 5120)["step_s"] == d["step_s"]
+    p = sc.prefill(64, 8192)
+    tokens = 64 * 8192
+    assert p["comm_s"] == pytest.approx(L * (N_DEV - 1) * tokens / N_DEV * (4 * H + 8 * K) / ICI_DEV)
+    assert 0.5 * p["compute_s"] < p["comm_s"] < p["compute_s"] == p["time_s"]
+    tp = sc.replace(layout="tp-attention").decode_step(B, 5120)
+    assert tp["comm_bytes"] == pytest.approx(L * 2 * 2 * (N_DEV - 1) / N_DEV * B * H * 2)
+    assert Scenario.make(chips=1, hardware="h100").decode_step(B, 5120)["comm_s"] == 0
