@@ -519,6 +519,7 @@ class Scenario:
         tps = B * tokens / step / self.chips
         return {"step_s": step, "verify_s": t_verify, "draft_s": k * t_pass, "tokens_per_sequence": tokens,
                 "verify_memory_s": b["total"] / self.bandwidth_per_device, "verify_compute_s": self.compute_time(f),
+                "state_writes_s": k * once / self.bandwidth_per_device,  # the k extra GDN state writes in it
                 "tokens_per_s_per_chip": tps, "speedup": tps / plain["tokens_per_s_per_chip"],
                 "plain_step_s": plain["step_s"]}
 

@@ -303,6 +303,9 @@ def test_speculative_decode_step():
         assert sc.speculative_decode_step(256, 9000, k, 0.0)["speedup"] < 1.0
     gains = [sc.speculative_decode_step(B, 9000, 2, 0.7)["speedup"] for B in (64, 512, 4096)]
     assert gains[0] > gains[1] > gains[2]
+    # the k extra GDN state writes, by hand: k times every sequence's bf16 state on its device
+    r3 = sc.speculative_decode_step(256, 9000, 3, 0.7)
+    assert r3["state_writes_s"] == pytest.approx(3 * by_hand_decode_bytes(256, 9000)["state"] / BW_DEV)
 
 
 ICI_DEV = 1200e9 / 2  # Ironwood: 1.2 TB/s of ICI per chip, 2 devices per chip
