@@ -1,4 +1,5 @@
-"""GDN kernels (chunked prefill, fused decode) and the hierarchical reduce-scatter against their XLA references.
+"""GDN kernels (chunked prefill, fused decode, paged decode) and the hierarchical reduce-scatter against their XLA
+references.
 
     python benchmarks/kernels_gdn.py [--json PATH]
 
@@ -13,7 +14,8 @@ for known TPUs and GPUs, measured with `qwen35.bench` elsewhere).
 Where it runs what:
   TPU   the realistic sizes: chunked GDN at T = 8K (one prompt, and 8K tokens of ragged prompts packed, against
         the reference on the zero-padded batch), a 64-sequence decode batch with the 397B model's GDN heads (fp32
-        and bf16 state), and the reduce-scatter when there are ≥ 2 devices (arranged as a 2-level mesh).
+        and bf16 state), the paged decode reading 64 rows' states from the engine's bf16 pool against the gather +
+        rule + scatter it replaces, and the reduce-scatter when there are ≥ 2 devices (a 2-level mesh).
   GPU   the kernels are Mosaic-TPU kernels and do not compile for a GPU: the realistic-size XLA references are
         timed (so their roofline fraction is known) and the kernel column says why it is empty.
   CPU   correctness sizes only, the kernels in TPU interpret mode (a simulator: its timings are not kernel speed,
@@ -51,7 +53,7 @@ class Case:
     """One benchmark: `build()` returns (kernel_fn or None, reference_fn, args, flops, bytes)."""
 
     name: str
-    kernel: str  # "chunked_gdn" | "fused_gdn_decode" | "reduce_scatter"
+    kernel: str  # "chunked_gdn" | "fused_gdn_decode" | "paged_gdn_decode" | "reduce_scatter"
     size: str  # "realistic" (accelerators) | "correctness" (CPU)
     build: Callable[[], tuple[Callable | None, Callable, tuple, float, float]]
     min_devices: int = 1
@@ -178,6 +180,50 @@ def _decode_case(B, Hk, Hv, D, state_dtype, Kc=4, dtype=jnp.bfloat16):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Paged decode: the states read and written in the serving pool by index
+def _paged_case(B, page_size, pool_dtype, cfg_fn):
+    """The kernel against the XLA path it replaces (gather the rows' states out of the pool, the rule, scatter them
+    back), both updating the pool in place (donated). g = 0 and beta = 0 make the step leave every state exactly as
+    it was (decay 1, no write) while moving every byte, so repeated calls agree on o however many each side runs."""
+    def build():
+        from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, paged_gdn_decode_reference
+        from qwen35.serving.cache import init_paged_cache, pool_layout, write_rec
+
+        cfg = cfg_fn()
+        Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        lay = pool_layout(cfg, page_size, pool_dtype)
+        NB = B * lay.state_blocks + 1
+        ks = jax.random.split(jax.random.key(3), 4)
+        blocks = (1 + jax.random.permutation(ks[0], NB - 1)).reshape(B, -1).astype(jnp.int32)  # scattered
+        pool = init_paged_cache(cfg, NB, page_size, pool_dtype).pool
+        pool = write_rec(cfg, pool, 0, blocks, 0.1 * jax.random.normal(ks[1], (B, Hv, Dk, Dv), jnp.float32))
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+        args = (unit(jax.random.normal(ks[2], (B, Hv, Dk))), unit(jax.random.normal(ks[3], (B, Hv, Dk))),
+                jnp.ones((B, Hv, Dv)), jnp.zeros((B, Hv)), jnp.zeros((B, Hv)))
+        fresh = jnp.zeros((B,), bool)
+
+        def in_place(step):  # the pool lives in the closure, donated to every call (as the engine's step does)
+            jitted = jax.jit(lambda pool, *a: step(*a, pool, blocks, fresh, jnp.int32(0), cfg), donate_argnums=0)
+            box = {"pool": jnp.array(pool, copy=True)}
+
+            def run(*a):
+                o, box["pool"] = jitted(box["pool"], *a)
+                return o
+            return run
+
+        kernel = None
+        if jax.default_backend() in ("tpu", "cpu"):
+            kernel = in_place(paged_gdn_decode)
+        reference = in_place(paged_gdn_decode_reference)
+        s_bytes = B * Hv * Dk * Dv * 4  # float32 states (two bf16 planes in a bf16 pool: the same bytes)
+        nbytes = 2 * s_bytes + B * Hv * (2 * Dk + 2 * Dv + 2) * 4  # states read + written, q k v o g beta
+        flops = 6.0 * B * Hv * Dk * Dv
+        return kernel, reference, args, flops, nbytes
+
+    return build
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Hierarchical reduce-scatter
 def _rs_case(rows_per_device, D, dtype=jnp.bfloat16, micro=4):
     def build():
@@ -206,6 +252,20 @@ def _rs_case(rows_per_device, D, dtype=jnp.bfloat16, micro=4):
 
 
 Q35 = dict(Hk=16, Hv=64, D=128)  # Qwen3.5-397B-A17B's GDN heads
+
+
+def _q35_gdn_config():
+    """The 397B model's GDN and attention heads on 4 layers (3 GDN, 1 attention): a pool of 64 rows' states is
+    then 0.8 GiB in bf16, not the 45-layer model's 12 GiB (the kernel touches one layer's states either way)."""
+    from qwen35.config import FULL, LINEAR, get_preset
+
+    return get_preset("qwen35-397b-a17b").replace(num_hidden_layers=4, layer_types=(LINEAR,) * 3 + (FULL,))
+
+
+def _tiny_config():
+    from qwen35.config import tiny
+
+    return tiny()
 CASES: list[Case] = [
     Case("chunked_gdn T=8192 (1 prompt)", "chunked_gdn", "realistic", _chunked_case([8192], **Q35)),
     Case("chunked_gdn 8192 tokens, 8 ragged prompts", "chunked_gdn", "realistic",
@@ -214,6 +274,8 @@ CASES: list[Case] = [
          _decode_case(64, state_dtype=jnp.float32, **Q35)),
     Case("fused_gdn_decode B=64 bf16 state", "fused_gdn_decode", "realistic",
          _decode_case(64, state_dtype=jnp.bfloat16, **Q35)),
+    Case("paged_gdn_decode B=64 from a bf16 pool (256-token pages)", "paged_gdn_decode", "realistic",
+         _paged_case(64, 256, jnp.bfloat16, _q35_gdn_config)),
     # The kernel keeps its input, output and receive slots in VMEM: 2 MiB per device fits every TPU's scoped VMEM.
     Case("reduce_scatter 1024x1024 bf16 per device", "reduce_scatter", "realistic", _rs_case(1024, 1024),
          min_devices=2),
@@ -222,6 +284,8 @@ CASES: list[Case] = [
          _chunked_case([5, 17, 8], Hk=1, Hv=2, D=16, dtype=jnp.float32, C=8)),
     Case("fused_gdn_decode tiny B=4", "fused_gdn_decode", "correctness",
          _decode_case(4, Hk=2, Hv=4, D=16, state_dtype=jnp.float32, dtype=jnp.float32)),
+    Case("paged_gdn_decode tiny B=4 from a bf16 pool", "paged_gdn_decode", "correctness",
+         _paged_case(4, 4, jnp.bfloat16, _tiny_config)),
     Case("reduce_scatter tiny 2x4 mesh", "reduce_scatter", "correctness", _rs_case(32, 16, jnp.float32, micro=2),
          min_devices=8),
 ]

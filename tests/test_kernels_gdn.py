@@ -318,3 +318,94 @@ def test_benchmark_cases_split_by_backend_and_a_cpu_case_runs():
     assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
     assert row["bound"] == "memory" and "interpret" in row["note"]
     assert row["max_rel_err"] <= fp32_tol(1.0, 64)  # relative to the output's size: the rule at scale 1
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The paged decode kernel: states read and written in the serving pool by index
+PAGED_CASES = [
+    pytest.param(np.float32, 16, id="f32-pool-16-token-pages"),  # a layer's state: 2 whole units
+    pytest.param(jnp.bfloat16, 4, id="bf16-pool-4-token-pages"),  # 12 units of two bf16 planes over 6 blocks
+]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype, page_size", PAGED_CASES)
+def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
+    """`paged_gdn_decode` against its reference (`cache.read_rec` gather, `gated_delta_rule_step`, `cache.write_rec`
+    scatter) on the tiny preset's pool, with scattered state blocks: a row mid-sequence, a fresh row (its stale
+    blocks ignored), a padding row at NO_BLOCK (nothing read or written), two GDN layers through one compiled
+    program (the layer index traced). Outputs and new states agree to float32 rounding; every pool element outside
+    the rows' recurrent units of that layer keeps its bits (the other layers, the conv units, the K/V pages)."""
+    from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, paged_gdn_decode_reference
+    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, pool_layout, read_rec, write_rec
+
+    cfg = tiny()
+    Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    lay = pool_layout(cfg, page_size, dtype)
+    B, NB = 4, 3 * lay.state_blocks + 4
+    pool = init_paged_cache(cfg, NB, page_size, dtype).pool
+    pool = jnp.asarray(rng.integers(0, 2 ** 14, pool.shape), pool.dtype)  # every unit holds something
+    ids = rng.permutation(np.arange(1, NB))[:3 * lay.state_blocks].reshape(3, -1)
+    blocks = jnp.asarray(np.concatenate([ids, np.full((1, lay.state_blocks), NO_BLOCK)]), jnp.int32)
+    for j in range(cfg.num_linear_layers):  # real states in every layer (random bits are not all finite floats)
+        pool = write_rec(cfg, pool, j, blocks, jnp.asarray(rng.standard_normal((B, Hv, Dk, Dv)), jnp.float32))
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731  (q and k arrive L2-normalised)
+    q = jnp.asarray(unit(rng.standard_normal((B, Hv, Dk))), jnp.float32)
+    k = jnp.asarray(unit(rng.standard_normal((B, Hv, Dk))), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, Hv, Dv)), jnp.float32)
+    g = -jnp.asarray(rng.uniform(0.01, 1.5, (B, Hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (B, Hv)), jnp.float32)
+    fresh = jnp.asarray([False, True, False, False])
+    run = jax.jit(lambda p, j: paged_gdn_decode(q, k, v, g, beta, p, blocks, fresh, j, cfg, interpret=RACES))
+    for j in (1, 4):
+        with jax.default_matmul_precision("highest"):
+            ro, rpool = paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, jnp.int32(j), cfg)
+        o, new = run(jnp.array(pool, copy=True), jnp.int32(j))
+        assert_no_races()
+        terms = rule_terms(1, Dk, 1)
+        assert_close(np.asarray(o)[:3], np.asarray(ro)[:3], terms=terms, name=f"layer {j} o")
+        assert_close(read_rec(cfg, new, j, blocks)[:3], read_rec(cfg, rpool, j, blocks)[:3], terms=terms,
+                     name=f"layer {j} new states")
+        mark = jnp.full((3, Hv, Dk, Dv), 1 + 2.0 ** -20)  # nonzero bits in both 16-bit halves
+        written = np.asarray(write_rec(cfg, jnp.zeros_like(pool), j, blocks[:3], mark) != 0)
+        assert written.sum() == 3 * lay.rec_elems  # the mask: the three rows' states of layer j, nothing else
+        np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(pool)[~written])
+    assert run._cache_size() == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
+def test_paged_decode_lowers_for_tpu(dtype):
+    """The Mosaic lowering on the 397B model's pool: 256-token pages (a 4 MiB float32 layer state in 16 units of
+    two bf16 planes, or 8 float32 units) and 64 decode rows."""
+    from qwen35.config import get_preset
+    from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
+    from qwen35.serving.cache import pool_layout
+
+    cfg = get_preset("qwen35-397b-a17b")
+    lay = pool_layout(cfg, 256, dtype)
+    B, Hv, D = 64, cfg.linear_num_value_heads, cfg.linear_key_head_dim
+    sds, f32 = jax.ShapeDtypeStruct, jnp.float32
+    f = lambda *a: paged_gdn_decode(*a, cfg, interpret=False)  # noqa: E731
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+        sds((B, Hv, D), f32), sds((B, Hv, D), f32), sds((B, Hv, D), f32), sds((B, Hv), f32), sds((B, Hv), f32),
+        sds((lay.units_per_block, 1000, lay.unit), jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32),
+        sds((B, lay.state_blocks), jnp.int32), sds((B,), jnp.bool_), sds((), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
+
+
+def test_paged_decode_bad_input_is_a_clear_error():
+    from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
+    from qwen35.serving.cache import init_paged_cache, pool_layout
+
+    cfg = tiny()
+    lay = pool_layout(cfg, 16, np.float32)
+    pool = init_paged_cache(cfg, 8, 16).pool
+    z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
+    args = [z(2, 4, 16), z(2, 4, 16), z(2, 4, 24), z(2, 4), z(2, 4), pool, jnp.ones((2, lay.state_blocks), jnp.int32),
+            jnp.zeros(2, bool), 0, cfg]
+    with pytest.raises(ValueError, match=r"blocks must be \[B, state_blocks\]"):
+        paged_gdn_decode(*args[:6], jnp.ones((2, 1), jnp.int32), *args[7:])
+    with pytest.raises(ValueError, match="pool must be the engine's"):
+        paged_gdn_decode(*args[:5], pool.view(jnp.float32), *args[6:])  # values, not the pool's bits
+    with pytest.raises(ValueError, match=r"v must be \[B, Hv, Dv\]"):
+        paged_gdn_decode(*args[:2], z(3, 4, 24), *args[3:])

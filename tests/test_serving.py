@@ -435,8 +435,8 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
 @pytest.mark.timeout(600)
 def test_engine_with_the_pallas_backend_matches_generate():
     """`backend="pallas"`: the engine's attention layers go through the ragged paged attention kernel (TPU interpret
-    mode on CPU) over the block tables, its GDN layers through the fused decode kernel and the chunked prefill
-    kernel, its experts through the grouped matmul + SwiGLU kernel, and greedy tokens equal `qwen35.generate` on the same weights with the XLA backend. Two layers (one
+    mode on CPU) over the block tables, its GDN layers through the paged decode kernel (states read and written in
+    the pool by index) and the chunked prefill kernel, its experts through the grouped matmul + SwiGLU kernel, and greedy tokens equal `qwen35.generate` on the same weights with the XLA backend. Two layers (one
     GDN, one attention) keep the interpreter's compile time down."""
     from qwen35.config import FULL, LINEAR
 
@@ -468,8 +468,8 @@ def test_engine_with_the_pallas_backend_matches_generate():
                                                backend="pallas"))())
 
     assert "name=_rpa" in jaxpr(1)  # the attention layer: ragged paged attention over the block tables
-    gdn = jaxpr(0)  # the GDN layer: the fused decode kernel for every row, the chunked kernel for the prefill block
-    assert "name=_fused_gdn_decode" in gdn and "name=_chunked_gdn_conv_packed" in gdn and "pallas_call" in gdn
+    gdn = jaxpr(0)  # the GDN layer: the paged decode kernel for every row, the chunked kernel for the prefill block
+    assert "name=_paged_gdn_decode" in gdn and "name=_chunked_gdn_conv_packed" in gdn and "pallas_call" in gdn
     assert "name=gmm_swiglu" in gdn  # and the MoE: grouped matmul with the fused SwiGLU
 
 

@@ -205,8 +205,11 @@ def test_step_collectives_match_the_napkin_formula(model):
 @pytest.mark.timeout(600)
 def test_pallas_backend_on_a_mesh():
     """`backend="pallas"` inside the data-parallel step: the ragged paged attention kernel reads each rank's own
-    pages, and greedy tokens equal `generate` with the XLA backend on one device. Two layers (one GDN, one
-    attention) keep the interpreter's compile time down."""
+    pages and the paged GDN decode kernel its own state blocks, and greedy tokens equal `generate` with the XLA
+    backend on one device. Two layers (one GDN, one attention) keep the interpreter's compile time down.
+    `num_blocks=11` keeps each rank's pool at 88 KiB: TPU interpret mode on 8 fake CPU devices of a 2-core machine
+    deadlocks when a kernel's HBM operand passes ~100 KiB per device (measured on jax 0.10.2: 96 KiB ran, 104 KiB
+    hung: the interpreter's host copy of the operand never completes while the other devices wait at its barrier)."""
     from qwen35.config import FULL, LINEAR
 
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
@@ -215,7 +218,7 @@ def test_pallas_backend_on_a_mesh():
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20, 9)]
     engine = Engine(m_pal, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
-                    block_size=16, max_model_len=64)
+                    block_size=16, max_model_len=64, num_blocks=11)
     outs = engine.generate(prompts, SamplingParams(max_tokens=3))
     for i, (o, p) in enumerate(zip(outs, prompts)):
         want = generate(m_xla, np.asarray(p), 3)

@@ -18,9 +18,12 @@ Layout (`PagedHybridCache.pool`, per device; with the engine on a mesh every ran
     [num_blocks, page_size, Hkv, Dh]: a page id means the same block in every attention layer, as before.
   * a GDN state takes `state_blocks` whole blocks (a list of block ids, not necessarily adjacent). Its units,
     numbered u = 0, 1, ... across its blocks (unit u is pool[u mod 2A, blocks[u div 2A]]), hold every GDN layer's
-    state in turn: layer j's recurrent state (Hv·Dk·Dv float32; in a 16-bit pool each float32 is stored as two
-    16-bit halves) then its conv state (conv_dim·Kc in the cache dtype), each rounded up to whole units, so every
-    layer reads and writes whole units and never another layer's.
+    state in turn: layer j's recurrent state (Hv·Dk·Dv float32, in the order [Hv, Dk, Dv]; in a 16-bit pool
+    stored as two planes, the high 16 bits of every float32, then the low 16 bits) then its conv state
+    (conv_dim·Kc in the cache dtype), each rounded up to whole units, so every layer reads and writes whole units
+    and never another layer's. Planes, not interleaved halves: a kernel that DMAs a state into VMEM rebuilds each
+    float32 from two same-shaped tiles with a shift and an or (`rec_from_bits`), where interleaved halves would
+    need a lane shuffle (`kernels/paged_gdn_decode.py` reads and writes the states in place that way).
   * the pool holds bits, not numbers: K/V and states are bitcast in and out, so a float32 state survives a trip
     through 16-bit storage bit for bit. (Moving bfloat16 *values* is not safe for that: XLA:CPU computes bf16
     copies, pads and scatters through float32 and flushes the subnormal halves of a float32 to zero.)
@@ -53,9 +56,10 @@ import numpy as np
 
 from qwen35.config import Qwen35Config
 
-__all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "PagedHybridCache", "init_paged_cache",
-           "read_state", "write_state", "to_pool", "from_pool", "pool_dtype", "layout_bytes", "SCRATCH_PAGE",
-           "NO_BLOCK"]
+__all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "layout_of", "PagedHybridCache",
+           "init_paged_cache", "read_state", "write_state", "read_conv", "read_rec", "write_conv", "write_rec",
+           "rec_from_bits", "rec_to_bits", "join_halves", "split_halves", "to_pool", "from_pool", "pool_dtype",
+           "layout_bytes", "SCRATCH_PAGE", "NO_BLOCK"]
 
 SCRATCH_PAGE = 0
 NO_BLOCK = np.iinfo(np.int32).max  # the state block of a padding row: outside every pool (reads 0, writes dropped)
@@ -222,7 +226,8 @@ def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtyp
     return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
-def _layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
+def layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
+    """The layout of an existing pool (its page size, dtype and attention layers read from its shape)."""
     unit = pool.shape[-1]
     return pool_layout(config, unit // (config.num_key_value_heads * config.head_dim), pool_dtype(pool),
                        attention_layers=pool.shape[-3] // 2)
@@ -251,20 +256,76 @@ def _set_units(lay: PoolLayout, pool, which, ids, first: int, n: int, x):
     return pool.at[which[None, sl], ids[:, sl]].set(x, mode="drop")
 
 
+def join_halves(hi: jax.Array, lo: jax.Array) -> jax.Array:
+    """float32 values from their high and low 16 bits (uint16 arrays of one shape)."""
+    return jax.lax.bitcast_convert_type((hi.astype(jnp.uint32) << 16) | lo.astype(jnp.uint32), jnp.float32)
+
+
+def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The high and low 16 bits (uint16) of float32 values x."""
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return (u >> 16).astype(jnp.uint16), (u & 0xFFFF).astype(jnp.uint16)
+
+
+def rec_from_bits(bits: jax.Array) -> jax.Array:
+    """Recurrent states [..., n] float32 from their pool bits [..., planes · n] (uint32: one plane; uint16: the high
+    halves, then the low halves). Integer shifts only: exact on every backend, and Mosaic-friendly (same-shaped
+    tiles, one same-width bitcast)."""
+    if bits.dtype == jnp.uint32:
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    n = bits.shape[-1] // 2
+    return join_halves(bits[..., :n], bits[..., n:])
+
+
+def rec_to_bits(rec: jax.Array, pool_dtype_bits) -> jax.Array:
+    """The pool bits [..., planes · n] of float32 recurrent states rec [..., n] (the inverse of `rec_from_bits`)
+    for a pool of `pool_dtype_bits` (uint32 or uint16)."""
+    if jnp.dtype(pool_dtype_bits) == jnp.uint32:
+        return jax.lax.bitcast_convert_type(rec.astype(jnp.float32), jnp.uint32)
+    return jnp.concatenate(split_halves(rec), axis=-1)
+
+
+def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax.Array:
+    """GDN layer j's recurrent states [R, Hv, Dk, Dv] float32 for rows with state blocks `blocks` [R, state_blocks]
+    (rows at `NO_BLOCK` read zeros), in one gather of that layer's recurrent units."""
+    c, lay = config, layout_of(config, pool)
+    which, ids = _state_units(lay, j, blocks)
+    rec = rec_from_bits(_units(lay, pool, which, ids, 0, lay.rec_units)[:, :lay.rec_elems])
+    return rec.reshape(blocks.shape[0], c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+
+
+def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype) -> jax.Array:
+    """GDN layer j's conv states [R, conv_dim, Kc] in conv_dtype for rows with state blocks `blocks` (rows at
+    `NO_BLOCK` read zeros), in one gather of that layer's conv units."""
+    c, lay = config, layout_of(config, pool)
+    which, ids = _state_units(lay, j, blocks)
+    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_units)[:, :lay.conv_elems], pool)
+    return conv.reshape(blocks.shape[0], c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype)
+
+
 def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype):
     """GDN layer j's (conv [R, conv_dim, Kc] in conv_dtype, recurrent [R, Hv, Dk, Dv] float32) for rows with state
     blocks `blocks` [R, state_blocks] (rows at `NO_BLOCK` read zeros). Reads only that layer's units: the recurrent
     and the conv units in a gather each (one gather feeding both would be computed twice, once per consumer)."""
-    c, lay = config, _layout_of(config, pool)
+    return read_conv(config, pool, j, blocks, conv_dtype), read_rec(config, pool, j, blocks)
+
+
+def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: jax.Array) -> jax.Array:
+    """The pool with GDN layer j's recurrent states of rows `blocks` [R, state_blocks] replaced by rec [R, Hv, Dk,
+    Dv] (writes of rows at `NO_BLOCK` are dropped), in one scatter of that layer's recurrent units."""
+    lay = layout_of(config, pool)
     R = blocks.shape[0]
     which, ids = _state_units(lay, j, blocks)
-    rec = _units(lay, pool, which, ids, 0, lay.rec_units)[:, :lay.rec_elems]
-    if pool.dtype.itemsize == 2:  # float32 stored as pairs of 16-bit halves
-        rec = rec.reshape(R, -1, 2)
-    rec = jax.lax.bitcast_convert_type(rec, jnp.float32)
-    rec = rec.reshape(R, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
-    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_units)[:, :lay.conv_elems], pool)
-    return conv.reshape(R, c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype), rec
+    return _set_units(lay, pool, which, ids, 0, lay.rec_units, rec_to_bits(rec.reshape(R, -1), pool.dtype))
+
+
+def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
+    """The pool with GDN layer j's conv states of rows `blocks` replaced by conv [R, conv_dim, Kc] (writes of rows
+    at `NO_BLOCK` are dropped), in one scatter of that layer's conv units."""
+    lay = layout_of(config, pool)
+    which, ids = _state_units(lay, j, blocks)
+    return _set_units(lay, pool, which, ids, lay.rec_units, lay.conv_units,
+                      to_pool(conv, pool).reshape(blocks.shape[0], -1))
 
 
 def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,
@@ -274,12 +335,7 @@ def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, con
     each, with no concatenated copy of the two. Both scatters update the pool in place when the new recurrent
     state depends on the conv state read (as the GDN rule's does); otherwise XLA may copy the pool to order the
     conv read before the first write."""
-    lay = _layout_of(config, pool)
-    R = blocks.shape[0]
-    rec = jax.lax.bitcast_convert_type(rec.astype(jnp.float32).reshape(R, -1), pool.dtype).reshape(R, -1)
-    which, ids = _state_units(lay, j, blocks)
-    pool = _set_units(lay, pool, which, ids, 0, lay.rec_units, rec)
-    return _set_units(lay, pool, which, ids, lay.rec_units, lay.conv_units, to_pool(conv, pool).reshape(R, -1))
+    return write_conv(config, write_rec(config, pool, j, blocks, rec), j, blocks, conv)
 
 
 def layout_bytes(config: Qwen35Config, num_tokens: int, page_size: int, dtype_bytes: int = 2) -> dict:

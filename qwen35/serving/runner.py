@@ -19,18 +19,17 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     beta = 0: decay 1 and no write, so the state is untouched), the conv state taken from the last
                     Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
                     starts from zero state, so recycled blocks need no clearing. With `backend == "pallas"` the
-                    decode rows go through `fused_gdn_decode` (conv, gates and step in one kernel) and the prefill
-                    block through `chunked_gdn_conv_packed` (conv fused in); the rows' states are gathered into a
-                    dense block before the kernels and written back after (the kernels take dense [B, ...] states).
-                    Why not by index, as tpu-inference's kernels address their state pool: the one pool keeps a
-                    layer's state as `layer_units` units spread over the slot's state blocks (float32 as 16-bit
-                    pairs in a bf16 pool), so a kernel would DMA it unit by unit from prefetched block ids and
-                    bitcast in VMEM; not built yet. What it costs: the copy in and out moves the state twice more
-                    than the kernel's own read and write (3x in all), while the XLA path fuses the gather and the
-                    in-place scatter into its loops. On the 397B host (64 decode rows per device, 45 GDN layers,
-                    4 MiB float32 state per row and layer) the kernel moves 22.5 GiB per step and the copies 45 GiB
-                    more: about 13 ms per step at 3.69 TB/s per device (`roofline.Scenario.bytes_per_device` counts
-                    only the kernel's own read and write).
+                    decode rows go through `paged_gdn_decode`, which reads and writes each row's recurrent state in
+                    the pool by its state block ids (DMAs from scalar-prefetched ids, as tpu-inference's kernels
+                    address their state pool): the state crosses HBM once each way, as the roofline counts it
+                    (`roofline.Scenario.bytes_per_device`), where a gather into a dense block before a dense kernel
+                    and a scatter after would move it twice more (on the 397B host, 64 decode rows per device and
+                    45 GDN layers of 4 MiB float32 states: 22.5 GiB per step for the kernel, 45 GiB more for the
+                    copies, about 13 ms at 3.69 TB/s). Their conv (2% of the state bytes) stays in XLA, gathered
+                    and scattered. Prefill chunks go through `chunked_gdn_conv_packed` (conv fused in) from states
+                    gathered for those rows only: a chunk reads and writes its state once for up to Lb tokens, so
+                    the copies are a small share of its work. (A pool whose units are not whole rows of 128 lanes
+                    falls back to gathering every row for the dense `fused_gdn_decode`.)
   head:             only each sequence's last token, then `sample`.
   MoE on a mesh:    the routed experts' sum is handed in (`routed_fn`): the all-gather / reduce-scatter exchange
                     of `qwen35.sharding.moe_ep_local` inside the step's `shard_map` (see `DataParallel`).
@@ -57,8 +56,8 @@ from jax.sharding import PartitionSpec as P
 from qwen35.config import LINEAR
 from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
 from qwen35.model import bind_program, output_logits
-from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, pool_dtype, read_state,
-                                  to_pool, write_state)
+from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, layout_of, pool_dtype, read_conv,
+                                  read_rec, to_pool, write_conv, write_rec, write_state)
 from qwen35.serving.sampling import sample, verify_drafts
 from qwen35.sharding import moe_ep_local
 from qwen35.sharding.exchange import native_ragged
@@ -260,6 +259,15 @@ def _attention(attn, x, b: StepBatch, pool, i, attend):
     return attn.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)
 
 
+def _paged(gdn, pool) -> bool:
+    """Whether this GDN layer's decode rows run the paged kernel (states read and written in the pool by index):
+    the Pallas backend on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
+    if gdn.config.backend != "pallas":
+        return False
+    from qwen35.kernels.paged_gdn_decode import supports_paged_decode  # lazy: the kernels import the layers
+    return supports_paged_decode(layout_of(gdn.config, pool), gdn.config)
+
+
 def _gdn(gdn, x, b: StepBatch, pool, j):
     """The mixer of GDN layer j (of the model's GDN layers) on the packed tokens x [Tb, H]: the layer's own
     projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
@@ -267,21 +275,33 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
     docstring)."""
     Sb = b.state_blocks.shape[0]
     Sp, Lb = b.gather_idx.shape
+    Sv, K1 = b.spec_idx.shape
     mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
     g, beta = gdn.gates(a, bb)
     fresh = b.fresh
-    conv_st, rec_st = read_state(gdn.config, pool, j, b.state_blocks, x.dtype)
-    conv0 = jnp.where(fresh[:, None, None], 0, conv_st)  # [Sb, C, Kc]
-    rec0 = jnp.where(fresh[:, None, None, None], 0.0, rec_st)  # [Sb, Hv, Dk, Dv] float32
+    paged = _paged(gdn, pool)
+    conv0 = jnp.where(fresh[:, None, None], 0, read_conv(gdn.config, pool, j, b.state_blocks, x.dtype))  # [Sb, C, Kc]
 
-    Sv, K1 = b.spec_idx.shape
+    def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
+        r = jnp.minimum(rows, Sb - 1)
+        blocks = jnp.where((rows < Sb)[:, None], b.state_blocks[r], NO_BLOCK)
+        return jnp.where(fresh[r][:, None, None, None], 0.0, read_rec(gdn.config, pool, j, blocks))
+
+    if paged:  # the kernel reads the rows' states itself; the dense rules get only the prefill and verify rows'
+        rec0, s0, sv0 = None, rec_of(b.pf_rows) if Sp else None, rec_of(b.spec_rows) if Sv else None
+        # every read of the pool before the kernel that updates it in place (else XLA would copy the pool)
+        conv0, s0, sv0, pool = jax.lax.optimization_barrier((conv0, s0, sv0, pool))
+    else:
+        rec0 = jnp.where(fresh[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, b.state_blocks))
+        s0 = rec0[jnp.minimum(b.pf_rows, Sb - 1)] if Sp else None
+        sv0 = rec0[jnp.minimum(b.spec_rows, Sb - 1)] if Sv else None
+
     if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
         o = jnp.zeros((x.shape[0], gdn.num_v_heads, gdn.head_v_dim), x.dtype)
     else:
-        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0)
+        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0, s0, paged)
     if Sv:  # verify rows: the single-token rule token by token, the state after each kept in its own group
-        r = jnp.minimum(b.spec_rows, Sb - 1)
-        conv, rec = conv0[r], rec0[r]
+        conv, rec = conv0[jnp.minimum(b.spec_rows, Sb - 1)], sv0
         outs, convs, recs = [], [], []
         for i in range(K1):
             o_i, conv, rec = _gdn_token(gdn, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
@@ -311,20 +331,33 @@ def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
     return o, conv, rec
 
 
-def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0):
+def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, s0, paged: bool):
     """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
     the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
-    pool)."""
+    pool). rec0: every row's recurrent state, s0: the prefill rows'. `paged`: the single-token rule is the paged
+    kernel, which reads and writes the rows' recurrent states in the pool itself (rec0 is None; prefill rows
+    excluded: their states come from the chunked rule)."""
     Sb = b.state_blocks.shape[0]
     Sp, Lb = b.gather_idx.shape
     w = gdn.conv1d.weight[...]
     Kc = w.shape[-1]
     pallas = gdn.config.backend == "pallas"
-    o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
+    if paged:
+        from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
+
+        idx = b.last_idx
+        y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)  # the conv (2% of the state bytes) in XLA
+        q, k, v = gdn.heads(y)
+        is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
+        blocks = jnp.where(is_pf[:, None], NO_BLOCK, b.state_blocks)  # prefill rows: written after, from their chunk
+        o_dec, pool = paged_gdn_decode(q, k, v, g[idx], beta[idx], pool, blocks, b.fresh, j, gdn.config)
+        rec_new = None
+    else:
+        o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
     o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
-        c0, s0 = conv0[r], rec0[r]
+        c0 = conv0[r]
         valid = b.gather_valid
         xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
         hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
@@ -348,8 +381,14 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
             o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
                                                   initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
-        rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
+        if paged:  # the prefill rows' recurrent states, to their own blocks (padding entries at NO_BLOCK: dropped)
+            pf_blocks = jnp.where((b.pf_rows < Sb)[:, None], b.state_blocks[r], NO_BLOCK)
+            pool = write_rec(gdn.config, pool, j, pf_blocks, rec_pf)
+        else:
+            rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
+    if paged:
+        return o, write_conv(gdn.config, pool, j, b.state_blocks, conv_new)
     return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 

@@ -1,0 +1,207 @@
+"""Paged GDN decode: the gated delta-rule step for a batch of single tokens, each row's recurrent state read and
+written in place where it lives in the serving engine's block pool (found by the row's state block ids), in one
+Pallas TPU kernel, beside its pure-JAX reference.
+
+Why by index: the engine keeps every sequence's GDN states in its pool of blocks (`qwen35.serving.cache`), a
+state spread over whole blocks that need not be adjacent. The dense decode kernel (`fused_gdn_decode`) takes
+states [B, Hv, Dk, Dv]; feeding it from the pool means a gather before and a scatter after, which move the state
+twice more than the kernel's own read and write (3× the bytes of the step that decode is bound by). Here the
+kernel DMAs each row's state units from the pool into VMEM by block id (scalar-prefetched, as tpu-inference's
+kernels address their state pools), runs the step, and DMAs them back: the state crosses HBM once each way.
+
+Inputs (B rows, one token each):
+  q, k     [B, Hv, Dk]      L2-normalised (float32), repeated to the value heads (as `GatedDeltaNet.heads` gives)
+  v        [B, Hv, Dv]
+  g, beta  [B, Hv]          log-decay and write strength
+  pool     [2A, NB, unit]   the engine's pool (uint32 for a float32 cache, uint16 for bf16: see `cache.py`)
+  blocks   [B, state_blocks] int32   each row's state blocks; a padding row at NO_BLOCK is neither read nor written
+  fresh    [B] bool          rows whose state starts from zero (a sequence's first step): not read
+  layer    int32 scalar      which GDN layer's units (traced: one program serves every layer)
+Returns (o [B, Hv, Dv] float32, the pool with the rows' layer states replaced).
+
+Where a state lives: GDN layer j's recurrent state is units u = j·(rec + conv units) + 0 .. rec_units − 1 of
+the row's state, unit u at pool[u mod 2A, blocks[u div 2A]]; its float32 values [Hv, Dk, Dv] are stored as one
+plane of bits in a 32-bit pool and as two planes (high 16 bits, then low 16 bits) in a 16-bit pool, so VMEM
+rebuilds each float32 with a shift and an or on same-shaped tiles (`cache.rec_from_bits`). The kernel views a unit
+as rows of 128 lanes [unit/128, 128]: with Dv = 128 (Qwen3.5) a state row is one VMEM row and the planes are plain
+row ranges.
+
+The step (everything float32), reordered as in `fused_gdn_decode` so the state is read once and written once:
+  α = exp(g);  δ = β (v − α Sᵀk);  o = α Sᵀq + δ (kᵀq) · scale;  S_new = α S + k δᵀ
+
+Grid (B,): one row per step, its whole layer state DMAed into VMEM (4 MiB float32 for Qwen3.5-397B, Hv = 64,
+Dk = Dv = 128), then a loop over its value heads (a head's state is rows [(p·Hv + h)·Dk·Dv/128, +Dk·Dv/128) of
+plane p), rows in parallel (no two rows share a block). The DMAs of a step are not overlapped with the
+previous step's compute: prefetching row i + 1 while row i computes is the next refinement on a TPU.
+
+The conv (2% of the state bytes for Qwen3.5: conv_dim·Kc per layer against Hv·Dk·Dv·4) stays outside, in XLA:
+this kernel is the part that decode is bound by.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from qwen35.gdn import gated_delta_rule_step
+from qwen35.kernels.chunked_gdn import default_interpret
+from qwen35.serving.cache import PoolLayout, join_halves, layout_of, read_rec, split_halves, write_rec
+
+__all__ = ["paged_gdn_decode", "paged_gdn_decode_reference", "supports_paged_decode"]
+
+LANES = 128
+
+
+def supports_paged_decode(lay: PoolLayout, config) -> bool:
+    """Whether the kernel's row view fits this pool: a unit and a layer's recurrent state are whole rows of 128
+    lanes (true for Qwen3.5's shapes and the presets; otherwise the engine gathers the states for the dense
+    kernel)."""
+    c = config
+    return lay.unit % LANES == 0 and (c.linear_num_value_heads * c.linear_key_head_dim
+                                      * c.linear_value_head_dim) % LANES == 0
+
+
+def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
+    B, Hv, Dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} (repeated to the value heads), got {tuple(k.shape)}")
+    if v.ndim != 3 or v.shape[:2] != (B, Hv):
+        raise ValueError(f"v must be [B, Hv, Dv] with B, Hv = {B}, {Hv}, got {tuple(v.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (B, Hv):
+            raise ValueError(f"{name} must be [B, Hv] = {(B, Hv)}, got {tuple(x.shape)}")
+    if tuple(blocks.shape) != (B, lay.state_blocks):
+        raise ValueError(f"blocks must be [B, state_blocks] = {(B, lay.state_blocks)}, got {tuple(blocks.shape)}")
+    if tuple(fresh.shape) != (B,):
+        raise ValueError(f"fresh must be [B] = ({B},), got {tuple(fresh.shape)}")
+    if lay.rec_elems != Hv * Dk * v.shape[-1] * (4 // pool.dtype.itemsize):
+        raise ValueError(f"the layout's recurrent state ({lay.rec_elems} pool elements) does not match Hv·Dk·Dv = "
+                         f"{Hv}·{Dk}·{v.shape[-1]} float32")
+
+
+def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, config, *, scale=None):
+    """The same step in pure JAX: `cache.read_rec` (a gather), `qwen35.gdn.gated_delta_rule_step`,
+    `cache.write_rec` (a scatter)."""
+    S = jnp.where(fresh[:, None, None, None], 0.0, read_rec(config, pool, layer, blocks))
+    o, S = gated_delta_rule_step(q, k, v, g, beta, S, scale=scale)
+    return o.astype(jnp.float32), write_rec(config, pool, layer, blocks, S)
+
+
+def _kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, buf, sems,
+            *, lay: PoolLayout, num_blocks: int, Hv: int, Dk: int, Dv: int, scale: float):
+    i = pl.program_id(0)
+    U, SB = lay.units_per_block, lay.state_blocks
+    rpu = lay.unit // LANES  # rows of one unit
+    planes = 4 // jnp.dtype(buf.dtype).itemsize
+    first = layer_ref[0] * lay.layer_units  # this layer's first unit in the row's state
+
+    def copies(to_pool: bool):
+        out = []
+        for u in range(lay.rec_units):
+            # lax.rem / lax.div: the units are non-negative, and jnp's floor semantics lower through `sign`
+            w, blk = jax.lax.rem(first + u, U), blocks_ref[i * SB + jax.lax.div(first + u, U)]
+            vmem, hbm = buf.at[pl.ds(u * rpu, rpu)], (pool_out if to_pool else pool_ref).at[w, blk]
+            out.append(pltpu.make_async_copy(vmem, hbm, sems.at[u]) if to_pool
+                       else pltpu.make_async_copy(hbm, vmem, sems.at[u]))
+        return out
+
+    valid = blocks_ref[i * SB] < num_blocks  # padding rows sit at NO_BLOCK
+    load = jnp.logical_and(valid, fresh_ref[i] == 0)
+
+    @pl.when(load)
+    def _():
+        cs = copies(to_pool=False)
+        for c in cs:
+            c.start()
+        for c in cs:
+            c.wait()
+
+    @pl.when(jnp.logical_not(load))
+    def _():
+        buf[...] = jnp.zeros(buf.shape, buf.dtype)
+
+    rph = Dk * Dv // LANES  # rows of one head's state (one plane)
+    f32 = jnp.float32
+
+    def head(h, carry):  # one value head at a time: VMEM holds one head's temporaries, not the layer's
+        rows = [pl.ds((p * Hv + h) * rph, rph) for p in range(planes)]  # plane p of head h
+        bits = [buf[r, :].reshape(Dk, Dv) for r in rows]
+        S = jax.lax.bitcast_convert_type(bits[0], f32) if planes == 1 else join_halves(*bits)  # [Dk, Dv]
+        q, k = q_ref[0, pl.ds(h, 1), :].astype(f32), k_ref[0, pl.ds(h, 1), :].astype(f32)  # [1, Dk]
+        v = v_ref[0, pl.ds(h, 1), :].astype(f32)  # [1, Dv]
+        alpha, beta = jnp.exp(g_ref[0, pl.ds(h, 1), :]), b_ref[0, pl.ds(h, 1), :]  # [1, 1]
+        qc, kc = q.reshape(Dk, 1), k.reshape(Dk, 1)
+        kS = jnp.sum(S * kc, axis=0, keepdims=True)  # Sᵀk [1, Dv]
+        qS = jnp.sum(S * qc, axis=0, keepdims=True)  # Sᵀq, from the same loaded S
+        kq = jnp.sum(k * q, axis=-1, keepdims=True)  # [1, 1]
+        delta = beta * (v - alpha * kS)
+        o_ref[0, pl.ds(h, 1), :] = ((alpha * qS + kq * delta) * scale).astype(o_ref.dtype)
+        S = alpha * S + kc * delta  # written once
+        new = [jax.lax.bitcast_convert_type(S, buf.dtype)] if planes == 1 else split_halves(S)
+        for r, x in zip(rows, new):
+            buf[r, :] = x.reshape(rph, LANES)
+        return carry
+
+    jax.lax.fori_loop(0, Hv, head, 0)
+
+    @pl.when(valid)
+    def _():
+        cs = copies(to_pool=True)
+        for c in cs:
+            c.start()
+        for c in cs:
+            c.wait()
+
+
+@functools.partial(jax.jit, static_argnames=("lay", "scale", "interpret"), donate_argnames=("pool",))
+def _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, *, lay, scale, interpret):
+    B, Hv, Dk = q.shape
+    Dv = v.shape[-1]
+    U, NB, unit = pool.shape
+    rpu = unit // LANES
+    pool4 = pool.reshape(U, NB, rpu, LANES)  # a free view: each unit as rows of 128 lanes
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_kernel, lay=lay, num_blocks=NB, Hv=Hv, Dk=Dk, Dv=Dv, scale=scale)
+    row = lambda i, *_: (i, 0, 0)  # noqa: E731
+    o, pool4 = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=3,
+            grid=(B,),
+            in_specs=[pl.BlockSpec((1, Hv, Dk), row), pl.BlockSpec((1, Hv, Dk), row),
+                      pl.BlockSpec((1, Hv, Dv), row), pl.BlockSpec((1, Hv, 1), row),
+                      pl.BlockSpec((1, Hv, 1), row), any_spec],  # g, beta as [B, Hv, 1]: a head's is [1, 1]
+            out_specs=[pl.BlockSpec((1, Hv, Dv), row), any_spec],
+            scratch_shapes=[pltpu.VMEM((lay.rec_units * rpu, LANES), pool.dtype),
+                            pltpu.SemaphoreType.DMA((lay.rec_units,))],
+        ),
+        out_shape=[jax.ShapeDtypeStruct((B, Hv, Dv), jnp.float32), jax.ShapeDtypeStruct(pool4.shape, pool.dtype)],
+        input_output_aliases={8: 1},  # the pool (after 3 scalar-prefetch operands and 5 inputs) is updated in place
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret,
+    )(blocks.reshape(-1).astype(jnp.int32), fresh.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      q, k, v, g[..., None].astype(jnp.float32), beta[..., None].astype(jnp.float32), pool4)
+    return o, pool4.reshape(U, NB, unit)
+
+
+def paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, config, *, scale=None, interpret=None):
+    """One decode token for each of B rows through a GDN layer's recurrent rule, each row's state read from and
+    written to the serving pool by its state block ids (see the module docstring). `config`: the model's config
+    (the pool's geometry comes from it and the pool's shape). `interpret`: None picks Mosaic on a TPU and TPU
+    interpret mode elsewhere. The pool is donated under jit: use the returned one."""
+    if pool.ndim != 3 or pool.dtype not in (jnp.uint16, jnp.uint32):
+        raise ValueError(f"pool must be the engine's [2A, num_blocks, unit] pool of uint16/uint32 bits, got "
+                         f"{tuple(pool.shape)} {pool.dtype}")
+    lay = layout_of(config, pool)
+    _check(q, k, v, g, beta, pool, blocks, fresh, lay)
+    if not supports_paged_decode(lay, config):
+        raise ValueError(f"the pool's unit ({lay.unit} elements) and a layer's state (Hv·Dk·Dv) must be whole rows of "
+                         f"{LANES} lanes for the paged kernel; use the gather + `fused_gdn_decode` path instead")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    return _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, lay=lay, scale=scale,
+                             interpret=default_interpret() if interpret is None else interpret)
+
