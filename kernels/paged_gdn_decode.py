@@ -27,7 +27,7 @@ as rows of 128 lanes [unit/128, 128]: with Dv = 128 (Qwen3.5) a state row is one
 row ranges.
 
 The step (everything float32), reordered as in `fused_gdn_decode` so the state is read once and written once:
-  α = exp(g);  δ = β (v − α Sᵀk);  o = α Sᵀq + δ (kᵀq) · scale;  S_new = α S + k δᵀ
+  α = exp(g);  δ = β (v − α Sᵀk);  o = (α Sᵀq + δ (kᵀq)) · scale;  S_new = α S + k δᵀ
 
 Grid (B,): one row per step, its whole layer state DMAed into VMEM (4 MiB float32 for Qwen3.5-397B, Hv = 64,
 Dk = Dv = 128), then a loop over its value heads (a head's state is rows [(p·Hv + h)·Dk·Dv/128, +Dk·Dv/128) of
