@@ -308,23 +308,24 @@ def test_benchmark_cases_split_by_backend_and_a_cpu_case_runs():
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     kinds = {c.kernel for c in mod.CASES}
-    assert kinds == {"chunked_gdn", "fused_gdn_decode", "reduce_scatter"}
+    assert kinds == {"chunked_gdn", "fused_gdn_decode", "paged_gdn_decode", "reduce_scatter"}
     for c in mod.CASES:  # on this CPU: the realistic sizes say why they skip, the correctness sizes apply
         ok, why = c.applies("cpu", 8)
         assert ok == (c.size == "correctness") and (ok or why)
         assert c.applies("tpu", 8)[0] == (c.size == "realistic")
-    case = next(c for c in mod.CASES if c.kernel == "fused_gdn_decode" and c.size == "correctness")
-    row = case.run(repeats=1)
-    assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
-    assert row["bound"] == "memory" and "interpret" in row["note"]
-    assert row["max_rel_err"] <= fp32_tol(1.0, 64)  # relative to the output's size: the rule at scale 1
+    for kernel in ("fused_gdn_decode", "paged_gdn_decode"):
+        case = next(c for c in mod.CASES if c.kernel == kernel and c.size == "correctness")
+        row = case.run(repeats=1)
+        assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
+        assert row["bound"] == "memory" and "interpret" in row["note"]
+        assert row["max_rel_err"] <= fp32_tol(1.0, 64)  # relative to the output's size: the rule at scale 1
 
 
 # ------------------------------------------------------------------------------------------------------------
 # The paged decode kernel: states read and written in the serving pool by index
 PAGED_CASES = [
     pytest.param(np.float32, 16, id="f32-pool-16-token-pages"),  # a layer's state: 2 whole units
-    pytest.param(jnp.bfloat16, 4, id="bf16-pool-4-token-pages"),  # 12 units of two bf16 planes over 6 blocks
+    pytest.param(jnp.bfloat16, 4, id="bf16-pool-4-token-pages"),  # 12 units (two bf16 planes) over several blocks
 ]
 
 
