@@ -29,10 +29,11 @@ row ranges.
 The step (everything float32), reordered as in `fused_gdn_decode` so the state is read once and written once:
   α = exp(g);  δ = β (v − α Sᵀk);  o = (α Sᵀq + δ (kᵀq)) · scale;  S_new = α S + k δᵀ
 
-Grid (B,): one row per step, its whole layer state DMAed into VMEM (4 MiB float32 for Qwen3.5-397B, Hv = 64,
+Grid (B,): one row per step, in order, its whole layer state in VMEM (4 MiB float32 for Qwen3.5-397B, Hv = 64,
 Dk = Dv = 128), then a loop over its value heads (a head's state is rows [(p·Hv + h)·Dk·Dv/128, +Dk·Dv/128) of
-plane p), rows in parallel (no two rows share a block). The DMAs of a step are not overlapped with the
-previous step's compute: prefetching row i + 1 while row i computes is the next refinement on a TPU.
+plane p). Two VMEM buffers: while row i computes in one, row i + 1's state arrives in the other and row i − 1's
+write-back leaves it (waited for before the prefetch reuses the buffer), so the DMAs overlap the compute
+(8 MiB of VMEM for Qwen3.5's bf16 pool).
 
 The conv (2% of the state bytes for Qwen3.5: conv_dim·Kc per layer against Hv·Dk·Dv·4) stays outside, in XLA:
 this kernel is the part that decode is bound by.
@@ -91,39 +92,58 @@ def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, con
     return o.astype(jnp.float32), write_rec(config, pool, layer, blocks, S)
 
 
-def _kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, buf, sems,
-            *, lay: PoolLayout, num_blocks: int, Hv: int, Dk: int, Dv: int, scale: float):
-    i = pl.program_id(0)
+def _kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, bufs,
+            sems_in, sems_out, *, lay: PoolLayout, num_blocks: int, Hv: int, Dk: int, Dv: int, scale: float):
+    i, B = pl.program_id(0), pl.num_programs(0)
     U, SB = lay.units_per_block, lay.state_blocks
     rpu = lay.unit // LANES  # rows of one unit
-    planes = 4 // jnp.dtype(buf.dtype).itemsize
+    planes = 4 // jnp.dtype(bufs.dtype).itemsize
     first = layer_ref[0] * lay.layer_units  # this layer's first unit in the row's state
+    slot = jax.lax.rem(i, 2)  # row i's VMEM buffer; row i + 1's state arrives in the other while row i computes
 
-    def copies(to_pool: bool):
+    def copies(row, s, to_pool: bool):  # the DMAs of row `row`'s layer state between the pool and buffer s
         out = []
         for u in range(lay.rec_units):
             # lax.rem / lax.div: the units are non-negative, and jnp's floor semantics lower through `sign`
-            w, blk = jax.lax.rem(first + u, U), blocks_ref[i * SB + jax.lax.div(first + u, U)]
-            vmem, hbm = buf.at[pl.ds(u * rpu, rpu)], (pool_out if to_pool else pool_ref).at[w, blk]
-            out.append(pltpu.make_async_copy(vmem, hbm, sems.at[u]) if to_pool
-                       else pltpu.make_async_copy(hbm, vmem, sems.at[u]))
+            w, blk = jax.lax.rem(first + u, U), blocks_ref[row * SB + jax.lax.div(first + u, U)]
+            vmem = bufs.at[s, pl.ds(u * rpu, rpu)]
+            out.append(pltpu.make_async_copy(vmem, pool_out.at[w, blk], sems_out.at[s, u]) if to_pool
+                       else pltpu.make_async_copy(pool_ref.at[w, blk], vmem, sems_in.at[s, u]))
         return out
 
-    valid = blocks_ref[i * SB] < num_blocks  # padding rows sit at NO_BLOCK
-    load = jnp.logical_and(valid, fresh_ref[i] == 0)
+    def valid(row):  # padding rows sit at NO_BLOCK
+        return blocks_ref[row * SB] < num_blocks
 
-    @pl.when(load)
-    def _():
-        cs = copies(to_pool=False)
+    def load(row):  # fresh rows start from zero: nothing to read
+        return jnp.logical_and(valid(row), fresh_ref[row] == 0)
+
+    def each(cs, method):
         for c in cs:
-            c.start()
-        for c in cs:
-            c.wait()
+            getattr(c, method)()
 
-    @pl.when(jnp.logical_not(load))
+    @pl.when(jnp.logical_and(i == 0, load(0)))
+    def _():  # the first row's state: nobody prefetched it
+        each(copies(0, 0, False), "start")
+
+    @pl.when(jnp.logical_and(i > 0, valid(jnp.maximum(i - 1, 0))))
+    def _():  # row i - 1's write-back leaves the other buffer before row i + 1's state lands in it
+        each(copies(i - 1, 1 - slot, True), "wait")
+
+    nxt = jnp.minimum(i + 1, B - 1)
+
+    @pl.when(jnp.logical_and(i + 1 < B, load(nxt)))
+    def _():  # prefetch row i + 1 while row i computes
+        each(copies(nxt, 1 - slot, False), "start")
+
+    @pl.when(load(i))
     def _():
-        buf[...] = jnp.zeros(buf.shape, buf.dtype)
+        each(copies(i, slot, False), "wait")
 
+    @pl.when(jnp.logical_not(load(i)))
+    def _():
+        bufs[slot] = jnp.zeros(bufs.shape[1:], bufs.dtype)
+
+    buf = bufs.at[slot]
     rph = Dk * Dv // LANES  # rows of one head's state (one plane)
     f32 = jnp.float32
 
@@ -148,13 +168,13 @@ def _kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 
     jax.lax.fori_loop(0, Hv, head, 0)
 
-    @pl.when(valid)
+    @pl.when(valid(i))
+    def _():  # written back while the next row computes; waited for at the next step (or here, at the last)
+        each(copies(i, slot, True), "start")
+
+    @pl.when(jnp.logical_and(i == B - 1, valid(i)))
     def _():
-        cs = copies(to_pool=True)
-        for c in cs:
-            c.start()
-        for c in cs:
-            c.wait()
+        each(copies(i, slot, True), "wait")
 
 
 @functools.partial(jax.jit, static_argnames=("lay", "scale", "interpret"), donate_argnames=("pool",))
@@ -176,12 +196,13 @@ def _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, *, lay, scal
                       pl.BlockSpec((1, Hv, Dv), row), pl.BlockSpec((1, Hv, 1), row),
                       pl.BlockSpec((1, Hv, 1), row), any_spec],  # g, beta as [B, Hv, 1]: a head's is [1, 1]
             out_specs=[pl.BlockSpec((1, Hv, Dv), row), any_spec],
-            scratch_shapes=[pltpu.VMEM((lay.rec_units * rpu, LANES), pool.dtype),
-                            pltpu.SemaphoreType.DMA((lay.rec_units,))],
+            scratch_shapes=[pltpu.VMEM((2, lay.rec_units * rpu, LANES), pool.dtype),  # two rows' states
+                            pltpu.SemaphoreType.DMA((2, lay.rec_units)), pltpu.SemaphoreType.DMA((2, lay.rec_units))],
         ),
         out_shape=[jax.ShapeDtypeStruct((B, Hv, Dv), jnp.float32), jax.ShapeDtypeStruct(pool4.shape, pool.dtype)],
         input_output_aliases={8: 1},  # the pool (after 3 scalar-prefetch operands and 5 inputs) is updated in place
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        # "arbitrary": the rows run in order on one core, so row i can prefetch row i + 1's state
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )(blocks.reshape(-1).astype(jnp.int32), fresh.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q, k, v, g[..., None].astype(jnp.float32), beta[..., None].astype(jnp.float32), pool4)
