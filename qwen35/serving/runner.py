@@ -268,6 +268,12 @@ def _paged(gdn, pool) -> bool:
     return supports_paged_decode(layout_of(gdn.config, pool), gdn.config)
 
 
+def _blocks_of(b: StepBatch, rows):
+    """The state blocks [n, NS] of `rows` [n] (a padding entry, row Sb, at NO_BLOCK: reads zeros, writes dropped)."""
+    Sb = b.state_blocks.shape[0]
+    return jnp.where((rows < Sb)[:, None], b.state_blocks[jnp.minimum(rows, Sb - 1)], NO_BLOCK)
+
+
 def _gdn(gdn, x, b: StepBatch, pool, j):
     """The mixer of GDN layer j (of the model's GDN layers) on the packed tokens x [Tb, H]: the layer's own
     projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
@@ -283,9 +289,8 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
     conv0 = jnp.where(fresh[:, None, None], 0, read_conv(gdn.config, pool, j, b.state_blocks, x.dtype))  # [Sb, C, Kc]
 
     def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
-        r = jnp.minimum(rows, Sb - 1)
-        blocks = jnp.where((rows < Sb)[:, None], b.state_blocks[r], NO_BLOCK)
-        return jnp.where(fresh[r][:, None, None, None], 0.0, read_rec(gdn.config, pool, j, blocks))
+        fresh_rows = fresh[jnp.minimum(rows, Sb - 1)]
+        return jnp.where(fresh_rows[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, _blocks_of(b, rows)))
 
     if paged:  # the kernel reads the rows' states itself; the dense rules get only the prefill and verify rows'
         rec0, s0, sv0 = None, rec_of(b.pf_rows) if Sp else None, rec_of(b.spec_rows) if Sv else None
@@ -382,8 +387,7 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
                                                   initial_state=s0)
         conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
         if paged:  # the prefill rows' recurrent states, to their own blocks (padding entries at NO_BLOCK: dropped)
-            pf_blocks = jnp.where((b.pf_rows < Sb)[:, None], b.state_blocks[r], NO_BLOCK)
-            pool = write_rec(gdn.config, pool, j, pf_blocks, rec_pf)
+            pool = write_rec(gdn.config, pool, j, _blocks_of(b, b.pf_rows), rec_pf)
         else:
             rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
