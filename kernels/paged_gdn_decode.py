@@ -22,7 +22,7 @@ Returns (o [B, Hv, Dv] float32, the pool with the rows' layer states replaced).
 Where a state lives: GDN layer j's recurrent state is units u = j·(rec + conv units) + 0 .. rec_units − 1 of
 the row's state, unit u at pool[u mod 2A, blocks[u div 2A]]; its float32 values [Hv, Dk, Dv] are stored as one
 plane of bits in a 32-bit pool and as two planes (high 16 bits, then low 16 bits) in a 16-bit pool, so VMEM
-rebuilds each float32 with a shift and an or on same-shaped tiles (`cache.rec_from_bits`). The kernel views a unit
+rebuilds each float32 with a shift and an or on same-shaped tiles (`cache.join_halves`). The kernel views a unit
 as rows of 128 lanes [unit/128, 128]: with Dv = 128 (Qwen3.5) a state row is one VMEM row and the planes are plain
 row ranges.
 

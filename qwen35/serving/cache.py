@@ -22,7 +22,7 @@ Layout (`PagedHybridCache.pool`, per device; with the engine on a mesh every ran
     stored as two planes, the high 16 bits of every float32, then the low 16 bits) then its conv state
     (conv_dim·Kc in the cache dtype), each rounded up to whole units, so every layer reads and writes whole units
     and never another layer's. Planes, not interleaved halves: a kernel that DMAs a state into VMEM rebuilds each
-    float32 from two same-shaped tiles with a shift and an or (`rec_from_bits`), where interleaved halves would
+    float32 from two same-shaped tiles with a shift and an or (`join_halves`), where interleaved halves would
     need a lane shuffle (`kernels/paged_gdn_decode.py` reads and writes the states in place that way).
   * the pool holds bits, not numbers: K/V and states are bitcast in and out, so a float32 state survives a trip
     through 16-bit storage bit for bit. (Moving bfloat16 *values* is not safe for that: XLA:CPU computes bf16
