@@ -375,13 +375,54 @@ def test_layer_programs_compile_per_shape_of_what_they_read(model):
     embed, leaves = step.embed
     h = embed(leaves, batch.tokens, dtype=step.dtype)
     pool = engine.cache.pool
-    shape = "[" + ",".join(map(str, pool.shape)) + "]"
     for i in (step.reads.index("gdn"), step.reads.index("attention")):
         prog, leaves = step.layers[i]
         hlo = prog.lower(leaves, step.indices[i], h, pool, batch_view(batch, step.reads[i]),
                          backend="xla").compile().as_text()
-        copies = [line for line in hlo.splitlines() if " copy(" in line and shape in line.split("copy(")[0]]
+        copies = pool_copies(hlo, pool)
         assert not copies, f"the {step.reads[i]} layer program copies the pool: {copies[0][:200]}"
+
+def pool_copies(hlo: str, pool) -> list[str]:
+    """The instructions of a compiled program that copy an array of the pool's shape."""
+    shape = "[" + ",".join(map(str, pool.shape)) + "]"
+    return [line for line in hlo.splitlines() if " copy(" in line and shape in line.split("copy(")[0]]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_sequence_steps_update_the_pool_in_place(fused):
+    """A step with one sequence still has two rows (`MIN_ROWS`, a padding row), and its programs update the pool
+    in place. With one row every pool write was a one-index scatter, which XLA rewrites into a bounds-checked
+    dynamic-update-slice; on CPU that copied the whole pool in every layer program (a one-sequence decode step of
+    the tiny model cost 4x a two-row one, growing with the pool). Two layers keep the compile time down."""
+    from qwen35.config import FULL, LINEAR
+    from qwen35.serving.engine import MIN_ROWS
+    from qwen35.serving.runner import batch_view
+
+    m = Qwen35ForCausalLM(tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL)), rngs=nnx.Rngs(0))
+    engine = Engine(m, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=64, fused=fused)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    engine.step()  # the prefill
+    batch = engine.build_batch(engine.scheduler.schedule())  # one sequence decoding
+    assert MIN_ROWS == 2 and batch.tokens.shape == (2,)
+    pool, run = engine.cache.pool, engine._run
+    if fused:
+        hlos = {"step": run.run.lower(run.leaves, engine.cache, batch, backend="xla",
+                                      return_logits=False).compile().as_text()}
+    else:
+        embed, leaves = run.embed
+        h = embed(leaves, batch.tokens, dtype=run.dtype)
+        hlos = {run.reads[i]: prog.lower(leaves, run.indices[i], h, pool, batch_view(batch, run.reads[i]),
+                                         backend="xla").compile().as_text()
+                for i, (prog, leaves) in enumerate(run.layers)}
+    for name, hlo in hlos.items():
+        copies = pool_copies(hlo, pool)
+        assert not copies, f"the {name} program copies the pool: {copies[0][:200]}"
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))[0]
+    want = generate(m, np.asarray([1, 2, 3]), 4)
+    assert out.error is None and len(out.token_ids) == 4
+    assert_same_greedy(out.token_ids, want, greedy_step_logits(m, [1, 2, 3], want), model_terms(m.config, 64),
+                       name="one sequence, padded to two rows, vs generate")
+
 
 def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts, max_tokens):
     """The XLA path's attention (`_paged_attention_rows`: each row's last token against its pages, the prefill rows

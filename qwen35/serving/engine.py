@@ -77,6 +77,13 @@ class StepShape(NamedTuple):
     verify_only: bool = False  # every row verifies drafts
 
 
+# A step has at least 2 rows (a padding row when one sequence runs). With one row, the pool writes are scatters
+# of a single index, which XLA rewrites into a bounds-checked dynamic-update-slice; on CPU that lost the in-place
+# update and copied the whole pool (two to four times per layer program: a one-sequence decode step of the tiny
+# model took 4x a two-row one). A padding row costs one token through the model.
+MIN_ROWS = 2
+
+
 def _pow2(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
@@ -187,7 +194,7 @@ class Engine:
     fused: one jitted program per step (default off CPU) or one per layer (`LayerwiseStep`, default on CPU).
     min_batch_rows: a step's rows are its scheduled sequences rounded up to a power of two, at least this (a
       floor of 32 lets engines of different concurrency share compiled programs, as the tests do; the default 1
-      pads least).
+      pads least; a step has at least `MIN_ROWS` = 2 rows in any case).
     min_page_width: a step's page-table width is its longest block table's, at least this many pages (a floor at
       max_model_len / block_size gives every step of a run one width: fewer compiles, more keys read).
     mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
@@ -246,7 +253,7 @@ class Engine:
         self.ranks = [Rank(max_num_seqs, max_num_batched_tokens, num_blocks, block_size, self.state_blocks,
                            enable_chunked_prefill, max(0, k - 1)) for _ in range(self.num_ranks)]
         self.min_batch_rows, self.min_page_width = min_batch_rows, min_page_width
-        self.seq_bucket = _pow2(max_num_seqs, min_batch_rows)  # the most rows a step can have
+        self.seq_bucket = _pow2(max_num_seqs, max(min_batch_rows, MIN_ROWS))  # the most rows a step can have
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _page_width(math.ceil(span / block_size))
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
@@ -349,7 +356,8 @@ class Engine:
         """The bucketed sizes of a scheduled step (see `StepBatch`), each a power of two or so: few shapes, few
         compiles, and every size follows the step's own work, not the engine's limits.
 
-          Sb  rows: the scheduled sequences, at least `min_batch_rows`, at most max_num_seqs (rounded up);
+          Sb  rows: the scheduled sequences, at least `min_batch_rows` and `MIN_ROWS`, at most max_num_seqs (rounded
+              up);
           P   pages per row: on the XLA path, which reads every page of the table, the longest block table of
               the step (so a decode at context 100 reads 128 keys per row, not max_model_len's), rounded by
               `_page_width`; with `backend="pallas"` max_model_len's (the ragged paged attention kernel reads
@@ -362,7 +370,7 @@ class Engine:
         decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1."""
         bs = self.block_size
         q_lens = [n for _, n in sched]
-        Sb = min(_pow2(len(sched), self.min_batch_rows), self.seq_bucket)
+        Sb = min(_pow2(len(sched), max(self.min_batch_rows, MIN_ROWS)), self.seq_bucket)
         if self.backend == "pallas":  # the kernel reads only each sequence's own pages: a wide table costs nothing
             P = self.page_bucket
         else:  # the XLA path reads every page of the table (and the MTP drafts' pages past the step's tokens)
