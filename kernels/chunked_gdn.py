@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from qwen35.kernels.interpret import default_interpret
 
 __all__ = [
     "default_interpret",
@@ -55,11 +56,6 @@ __all__ = [
     "chunked_gdn_conv_packed",
     "chunked_gdn_conv_reference",
 ]
-
-
-def default_interpret():
-    """`False` on a TPU (compile with Mosaic), TPU interpret mode (`pltpu.InterpretParams()`) anywhere else."""
-    return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
 
 
 def check_packed_inputs(q, k, v, g, beta, cu_seqlens, initial_state=None) -> None:

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35.gdn import causal_conv1d_update, gated_delta_rule_step
-from qwen35.kernels.chunked_gdn import default_interpret
+from qwen35.kernels.interpret import default_interpret
 
 __all__ = ["fused_gdn_decode_reference", "fused_gdn_decode", "check_decode_inputs"]
 

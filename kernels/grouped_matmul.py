@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35.config import ACT_BLOCK, FP8_BLOCK
-from qwen35.kernels.ragged_paged_attention import default_interpret
+from qwen35.kernels.interpret import default_interpret
 from qwen35.moe import (_check_routed, dequantize_fp8_activations, fp8_dequantize, fp8_round_activations,
                         quantize_fp8_activations, sort_by_expert)
 
@@ -315,6 +315,8 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     (`quantize_fp8_activations`, e4m3 with fp32 scales; H and I multiples of 512), so both operands of every
     matmul are FP8 and the MXU runs at its FP8 rate. Each 128-wide step's partial product is scaled by its row's
     activation scale and its column's weight scale. The result is `grouped_swiglu_w8a8_reference`'s.
+
+    Rows past sum(group_sizes) (slots that no group counts) are zero, and no matmul runs on them.
     """
     x_sorted, group_sizes, gate_up, down = (jnp.asarray(t) for t in (x_sorted, group_sizes, gate_up, down))
     E, H, I = _check(x_sorted, group_sizes, gate_up, down)
@@ -356,15 +358,22 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
         aq, as_ = quantize_fp8_activations(a)
         y = gmm(aq, meta, down, expand_fp8_scales(down_scale, H), expand_act_scales(as_), tm=tm, tn=th,
                 tk=FP8_BLOCK, interpret=interpret, out_dtype=dtype)
-        return y[:M]
+        return _only_grouped_rows(y[:M], group_sizes)
     if fp8:  # FP8 tiles straight from HBM, converted in VMEM; contraction in 128-wide scale blocks
         a = gmm_swiglu(x_p, meta, gate_up, expand_fp8_scales(gate_up_scale, 2 * I), tm=tm, ti=ti, tk=FP8_BLOCK,
                        interpret=interpret)
         y = gmm(a, meta, down, expand_fp8_scales(down_scale, H), tm=tm, tn=th, tk=FP8_BLOCK, interpret=interpret)
-        return y[:M]
+        return _only_grouped_rows(y[:M], group_sizes)
     a = gmm_swiglu(x_p, meta, gate_up.astype(dtype), tm=tm, ti=ti, tk=th, interpret=interpret)
     y = gmm(a, meta, down.astype(dtype), tm=tm, tn=th, tk=ti, interpret=interpret)
-    return y[:M]
+    return _only_grouped_rows(y[:M], group_sizes)
+
+
+def _only_grouped_rows(y, group_sizes):
+    """y with the rows past sum(group_sizes) zeroed: no group counts them, so no tile writes them (the kernels'
+    output there is whatever the buffer held). Slots sorted past every group (an expert id E, e.g. another device's
+    expert in the expert-parallel exchange) then come back as zeros."""
+    return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(group_sizes))[:, None], y, jnp.zeros((), y.dtype))
 
 
 def gmm_cost(M: int, H: int, I: int, E_used: int, dtype_bytes: int = 2) -> dict:

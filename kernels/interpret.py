@@ -1,10 +1,44 @@
-"""TPU interpret mode's race detector, read from one place. With `pltpu.InterpretParams(detect_races=True)` the
-interpreter prints a race instead of raising, and keeps its flag in a private module: `races_found` reads it, so
-tests and notebooks need no import from `jax._src` (if jax moves the flag, only this file changes)."""
+"""Where the kernels run, decided in one place.
+
+`default_interpret`: a kernel called with `interpret=None` compiles with Mosaic on a TPU and runs in TPU interpret
+mode anywhere else (the same kernel, executed by an interpreter on the host). `lower_for_tpu()`: inside it,
+`interpret=None` means Mosaic whatever the host, so `jax.export(..., platforms=["tpu"])` of a whole program (the
+serving engine's step) lowers every kernel for a TPU from a CPU machine.
+
+`races_found`: TPU interpret mode's race detector. With `pltpu.InterpretParams(detect_races=True)` the interpreter
+prints a race instead of raising, and keeps its flag in a private module: `races_found` reads it, so tests and
+notebooks need no import from `jax._src` (if jax moves the flag, only this file changes)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
+from jax.experimental.pallas import tpu as pltpu
+
+_FOR_TPU = contextvars.ContextVar("qwen35_kernels_lower_for_tpu", default=False)
+
+
+def default_interpret(interpret=None):
+    """`interpret` itself if given; else `False` (compile with Mosaic) on a TPU or inside `lower_for_tpu()`, TPU
+    interpret mode (`pltpu.InterpretParams()`) anywhere else."""
+    if interpret is not None:
+        return interpret
+    return False if _FOR_TPU.get() or jax.default_backend() == "tpu" else pltpu.InterpretParams()
+
+
+@contextlib.contextmanager
+def lower_for_tpu():
+    """Kernels called with `interpret=None` inside this block lower with Mosaic, for `jax.export(...,
+    platforms=["tpu"])` on a machine without a TPU (running them here would fail: Mosaic calls execute only on a
+    TPU). Trace a fresh `jax.jit` inside: a jitted program traced earlier, in interpret mode, is reused from its
+    cache (the kernels' own jitted functions take the mode as a static argument, so theirs are keyed by it)."""
+    token = _FOR_TPU.set(True)
+    try:
+        yield
+    finally:
+        _FOR_TPU.reset(token)
 
 
 def races_found() -> bool:

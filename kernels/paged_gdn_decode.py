@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from qwen35.gdn import gated_delta_rule_step
-from qwen35.kernels.chunked_gdn import default_interpret
+from qwen35.kernels.interpret import default_interpret
 from qwen35.serving.cache import PoolLayout, join_halves, layout_of, read_rec, split_halves, write_rec
 
 __all__ = ["paged_gdn_decode", "paged_gdn_decode_reference", "supports_paged_decode"]
@@ -92,7 +92,7 @@ def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, con
     return o.astype(jnp.float32), write_rec(config, pool, layer, blocks, S)
 
 
-def _kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, bufs,
+def _paged_gdn_decode_kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, bufs,
             sems_in, sems_out, *, lay: PoolLayout, num_blocks: int, Hv: int, Dk: int, Dv: int, scale: float):
     i, B = pl.program_id(0), pl.num_programs(0)
     U, SB = lay.units_per_block, lay.state_blocks
@@ -185,7 +185,7 @@ def _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, *, lay, scal
     rpu = unit // LANES
     pool4 = pool.reshape(U, NB, rpu, LANES)  # a free view: each unit as rows of 128 lanes
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, lay=lay, num_blocks=NB, Hv=Hv, Dk=Dk, Dv=Dv, scale=scale)
+    kernel = functools.partial(_paged_gdn_decode_kernel, lay=lay, num_blocks=NB, Hv=Hv, Dk=Dk, Dv=Dv, scale=scale)
     row = lambda i, *_: (i, 0, 0)  # noqa: E731
     o, pool4 = pl.pallas_call(
         kernel,

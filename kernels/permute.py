@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.kernels.ragged_paged_attention import default_interpret
+from qwen35.kernels.interpret import default_interpret
 
 __all__ = ["permute", "permute_reference", "unpermute", "unpermute_reference", "inverse_order"]
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from qwen35.kernels.interpret import default_interpret
 
 __all__ = ["ragged_paged_attention", "ragged_paged_attention_pool", "ragged_paged_attention_reference", "check_ragged_inputs", "default_interpret",
            "rpa_cost"]
@@ -109,13 +110,6 @@ def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices,
 #     [pages_per_block·page_size·Hkv, D] buffer, D on the lanes with no padding of the small Hkv axis; KV head h's
 #     keys are every Hkv-th row, read with a strided load (as tpu-inference's kernel does).
 _MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def default_interpret(interpret=None):
-    """`interpret=None` -> TPU interpret mode (`pltpu.InterpretParams()`) unless running on a TPU."""
-    if interpret is None:
-        return False if jax.default_backend() == "tpu" else pltpu.InterpretParams()
-    return interpret
 
 
 def _rpa_kernel(kv_idx_ref, kv_lens_ref, pt_ref, cu_ref, seq_lo_ref, seq_hi_ref,   # scalar prefetch (SMEM)
@@ -284,8 +278,8 @@ def ragged_paged_attention_pool(q, pool, kv_index, kv_lens, page_indices, cu_q_l
     page = jax.ShapeDtypeStruct(pool.shape[1:], kv_dtype)
     check_ragged_inputs(q, page, page, kv_lens, page_indices, cu_q_lens, num_seqs)
     idx = jnp.asarray(kv_index, jnp.int32)
-    if interpret is None and jax.default_backend() != "tpu":
-        # Off TPU, by default: the interpreter gets the layer's K and V pages as two arrays (copies). With the whole
+    if interpret is None and default_interpret() is not False:
+        # In interpret mode, by default: the interpreter gets the layer's K and V pages as two arrays (copies). With the whole
         # pool as its operand, TPU interpret mode hung inside the engine's multi-device layer programs (its threads
         # blocked allocating the kernel's buffers; not reproduced outside the engine). An explicit `interpret`
         # runs the in-place path below, as on TPU (tests/test_kernels_attention.py checks it).

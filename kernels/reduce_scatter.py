@@ -30,7 +30,7 @@ import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.kernels.chunked_gdn import default_interpret
+from qwen35.kernels.interpret import default_interpret
 
 __all__ = ["hierarchical_reduce_scatter", "reduce_scatter_bytes"]
 

@@ -228,6 +228,36 @@ def test_pallas_backend_on_a_mesh():
     assert_all_free(engine)
 
 
+def test_serving_step_lowers_for_tpu():
+    """The engine's whole step with `backend="pallas"`, exported for a TPU from shapes (`plan.export_step`): every
+    kernel lowers with Mosaic, which checks the TPU lowering rules that the interpret-mode runs of the other tests
+    skip. One device: a decode step and a mixed step (one prefill chunk beside the decodes); the (2, 4) mesh: the
+    mixed step inside the data-parallel `shard_map`, the MoE's exchange around the kernels."""
+    import re
+
+    from qwen35.config import FULL, LINEAR
+    from qwen35.serving.plan import export_step
+
+    cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), backend="pallas")
+    m = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    attention, moe = {"_rpa_kernel"}, {"_gmm_swiglu_kernel", "_gmm_kernel"}
+    decode, prefill = {"_paged_gdn_decode_kernel"}, {"_conv_chunked_gdn_kernel"}
+    one = Engine(m, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64)
+    dp = Engine(m, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
+                block_size=16, max_model_len=64, num_blocks=11)
+    P = 64 // 16  # the Pallas path's page-table width: max_model_len's
+    for engine, shape, want in [(one, (2, P, 2, 0, 1, 0), attention | moe | decode),
+                                (one, (2, P, 32, 1, 16, 0), attention | moe | decode | prefill),
+                                (dp, (2, P, 32, 1, 16, 0), attention | moe | decode | prefill)]:
+        exported = export_step(engine, shape)
+        text = exported.mlir_module()
+        kernels = set(re.findall(r'kernel_name = "([^"]+)"', text))
+        assert exported.platforms == ("tpu",) and want <= kernels, (shape, sorted(kernels))
+        assert exported.nr_devices == (8 if engine is dp else 1)
+        if engine is dp:  # the MoE exchange: all-gathers and reduce-scatters between the kernels
+            assert "all_gather" in text and "reduce_scatter" in text
+
+
 def test_step_memory_from_shapes_alone():
     """`qwen35.serving.plan.step_memory` compiles the engine's own step from shapes: its per-device cache bytes
     equal the engine's allocator arithmetic (the pool's blocks: pages and GDN states, for

@@ -173,6 +173,32 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
 
 
+@pytest.mark.parametrize("local_impl", ["sorted", "pallas"])
+def test_moe_ep_allgather_runs_each_slot_on_one_device(rng, monkeypatch, local_impl):
+    """In the all-gather exchange each device sums only the slots routed to its own experts: another device's slots
+    get the id El, past its local experts, so they sort after every group and no matmul runs on them. Counted at
+    run time on every device of expert=8: the slots the local sum groups add up to N·k over the devices (given
+    local expert 0, as before, each device would group all N·k, 8x the work). The result equals the dense one."""
+    from qwen35.kernels import grouped_matmul
+    from qwen35.sharding import exchange
+
+    counted = []
+    name, module = (("experts_sorted", exchange) if local_impl == "sorted"
+                    else ("experts_sorted_pallas", grouped_matmul))
+    real = getattr(module, name)
+
+    def spy(x, weights, experts, gate_up, down, **kw):
+        jax.debug.callback(lambda n: counted.append(int(n)), jnp.sum(experts < gate_up.shape[0]))
+        return real(x, weights, experts, gate_up, down, **kw)
+
+    monkeypatch.setattr(module, name, spy)
+    x, w, e, gu, dn = _routed_inputs(rng, N=40)  # a shape no other test traces (a cached trace would skip the spy)
+    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), local_impl=local_impl)
+    jax.effects_barrier()
+    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=f"expert=8, {local_impl}")
+    assert len(counted) == 8 and sum(counted) == e.size, counted
+
+
 def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
     E, k, cf = 16, 2, 1.0
     x, w, e, gu, dn = _routed_inputs(rng, E=E, k=k, skew=3.0)

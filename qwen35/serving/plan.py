@@ -10,6 +10,11 @@ every buffer's size per device) but never run. The programs are the engine's own
 as it runs on CPU): each layer's program holds that layer's weights and cache, so the step's per-device bytes are
 the sum over layers of their arguments plus the largest scratch (temp) space any one of them needs.
 
+`export_step(engine, shape)` exports the engine's whole step (one program, its parameters, cache and a padding
+batch of that shape as abstract arrays) with `jax.export`; for `platforms=("tpu",)` every Pallas kernel of
+`backend="pallas"` is lowered with Mosaic (`qwen35.kernels.interpret.lower_for_tpu`), so a CPU machine checks
+that the serving step it tests in interpret mode also lowers for a TPU.
+
 Two layouts of the same `concurrency` sequences on the same devices:
   "dp"          the engine on the mesh: each device one data-parallel rank with concurrency / n sequences (its own
                 pool of pages and GDN states), experts split by expert parallelism;
@@ -19,6 +24,7 @@ Two layouts of the same `concurrency` sequences on the same devices:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import jax
@@ -27,9 +33,9 @@ import numpy as np
 
 from qwen35.serving.cache import init_paged_cache, pool_layout
 from qwen35.serving.engine import _page_width, _pow2
-from qwen35.serving.runner import DataParallel, LayerwiseStep, layer_indices, padding_batch
+from qwen35.serving.runner import DataParallel, LayerwiseStep, _build_step, _leaf_spec, layer_indices, padding_batch
 
-__all__ = ["step_memory", "LAYOUTS"]
+__all__ = ["step_memory", "export_step", "LAYOUTS"]
 
 LAYOUTS = ("dp", "replicated")
 
@@ -127,3 +133,34 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
     return {"layout": layout, "devices": mesh.size, "ranks": ranks, "seqs_per_cache": seqs,
             "num_blocks": num_blocks, "weights": weights, "cache": cache_bytes, "temp": temp,
             "total": weights + cache_bytes + temp, "programs": progs}
+
+
+def export_step(engine, shape, *, platforms=("tpu",), return_logits: bool = False):
+    """`jax.export` of `engine`'s step (the fused program: embedding, every layer, head and sampling; on a mesh
+    the `shard_map` over its data-parallel ranks with the MoE's exchange) for a step of `shape` (an `Engine.step_shape`
+    or the tuple (Sb, P, Tb, Sp, Lb, Pc)), from abstract arrays: nothing runs. For a TPU, the Pallas kernels lower
+    with Mosaic (checking the TPU lowering rules interpret mode skips); the program is built afresh, so a step
+    traced earlier in interpret mode is not reused. Returns the `jax.export.Exported`."""
+    from flax import nnx
+
+    from qwen35.kernels.interpret import lower_for_tpu
+
+    dp, model = engine.dp, engine.model
+    graphdef, state = nnx.split(model)
+    treedef, leaves = jax.tree.structure(state), jax.tree.leaves(state)
+    specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in leaves)
+    run = _build_step(lambda ls: nnx.merge(graphdef, jax.tree.unflatten(treedef, ls)), dp, specs, None)
+    Sb, P, Tb, Sp, Lb, Pc = tuple(shape)[:6]
+    batch = padding_batch(Sb, P, Tb, Sp, Lb, Pc, state_blocks=engine.layout.state_blocks, page_size=engine.block_size)
+
+    def abstract(a, lead=(), sharding=None):
+        return jax.ShapeDtypeStruct(lead + tuple(np.shape(a)), a.dtype,
+                                    sharding=sharding or getattr(a, "sharding", None))
+
+    lead, where = ((), None) if dp is None else ((dp.size,), dp.sharding())
+    args = (jax.tree.map(abstract, leaves), jax.tree.map(abstract, engine.cache),
+            jax.tree.map(lambda a: abstract(a, lead, where), batch))
+    ctx = lower_for_tpu() if "tpu" in platforms else contextlib.nullcontext()
+    with ctx:
+        return jax.export.export(run, platforms=list(platforms))(*args, backend=engine.backend,
+                                                                 return_logits=return_logits)

@@ -16,7 +16,7 @@ Expert-parallel MoE (`moe_ep`, a `jax.shard_map`; n = devices on the expert axes
 
   "allgather" (the workload's choice; deterministic: no capacity, nothing dropped, fixed message sizes)
       x [t, H], routing packed into one int32 [t, 2k]  --all_gather(expert)-->  [N_g, H], [N_g, 2k]
-      local experts only (slots routed elsewhere get weight 0)                   y_partial [N_g, H]
+      local experts only (slots routed elsewhere: weight 0, sorted past them)    y_partial [N_g, H]
       --psum_scatter(expert)-->  y [t, H]   (hierarchical: inside a chip first, then across chips)
       each device sends (n-1)·t·(2·H·b + 2k·4) bytes.
 

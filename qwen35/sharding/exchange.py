@@ -20,7 +20,7 @@ from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes
 
 
 SCHEMES = ("allgather", "alltoall", "ragged")
-LOCAL_IMPLS = ("sorted", "dense")
+LOCAL_IMPLS = ("sorted", "dense", "pallas")
 TRANSPORTS = ("auto", "native", "padded")
 # Backends whose XLA implements the ragged-all-to-all HLO (XLA:CPU does not: "not supported by XLA:CPU").
 NATIVE_RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
@@ -148,6 +148,10 @@ def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None):
         experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
     if impl == "dense":
         return experts_dense(x, weights, experts, gate_up, down, act_block=act_block)
+    if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`backend="pallas"`, dequantised weights)
+        from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # lazy: the kernels import the model
+
+        return experts_sorted_pallas(x, weights, experts, gate_up, down)
     return experts_sorted(x, weights, experts, gate_up, down, act_block=act_block)
 
 
@@ -171,8 +175,13 @@ def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarc
             x_c, p_c = gather(x_c), gather(p_c)  # [N_g, H], [N_g, 2k]: one all-gather moves ids and weights
         e, w = unpack_routing(p_c)
         local = (e >= lo) & (e < lo + El)
-        # Slots routed to another device's experts: weight 0 (and a valid local id) so they add nothing here.
-        y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, 0), gate_up,
+        # Slots routed to another device's experts: weight 0, so they add nothing here, and for the sorted paths the
+        # id El, one past the local experts: they sort after every local group and no group counts them, so no
+        # matmul runs on them. (Given local expert 0 instead, the (n - 1)/n of the slots that are not local would
+        # all run through it: on the 397B layout, EP = 8, 7x the useful expert FLOPs.) The dense path reads every
+        # local expert anyway: id 0.
+        off = El if impl in ("sorted", "pallas") else 0
+        y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, off), gate_up,
                            down, impl, act_block)
         if ex_axes:
             y = scatter(y)
@@ -344,9 +353,10 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     outputs summed by an all-reduce over the TP group. Both at once is the EP × TP hybrid. Tokens split over the
     "batch" axes (which must include the expert axes; devices of one TP group hold the same tokens). `scheme`:
       "allgather"  all-gather tokens + packed routing over the expert axes, local experts, reduce-scatter back.
-                   Exact (no capacity). `local_impl` "sorted" (grouped path; it computes all N_g·k gathered slots,
-                   the non-local ones with weight 0 — a grouped-matmul kernel with a group offset would skip
-                   them) or "dense" (every local expert on every gathered token). With two expert axes the
+                   Exact (no capacity). `local_impl` "sorted" (grouped path: the gathered slots of this
+                   device's experts only; the others sort past its groups and no matmul runs on them), "pallas"
+                   (the same on the grouped matmul + SwiGLU kernels) or "dense" (every local expert on every
+                   gathered token). With two expert axes the
                    all-gather and the reduce-scatter are hierarchical (`hierarchical=None` = auto).
       "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (default 1.25, capped at t),
                    all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
@@ -374,6 +384,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
     if local_impl not in LOCAL_IMPLS:
         raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
+    if local_impl == "pallas" and act_block is not None:
+        raise ValueError("local_impl 'pallas' runs the kernels on dequantised weights; W8A8 (act_block) needs "
+                         "local_impl 'sorted' or 'dense'")
     if gate_up_layout not in ("checkpoint", "tp_interleaved"):
         raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
     if transport not in TRANSPORTS:
@@ -471,7 +484,8 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
 
     x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
     tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
-    default), each device sums its own experts' share (the layer's local path: dense or sorted), and a
+    default), each device sums its own experts' share (the layer's local path: dense, sorted, or with
+    `backend="pallas"` the grouped matmul kernels), and a
     reduce-scatter returns each device its own tokens' sums. With no expert axis the experts are whole on every
     device and this is the block's own `routed`."""
     if not expert_axes:
@@ -486,7 +500,8 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
         return y
     if scheme != "allgather":
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
-    impl = "dense" if block.impl == "dense" else "sorted"
+    impl = ("dense" if block.impl == "dense" else
+            "pallas" if block.impl == "sorted" and block.config.backend == "pallas" and act is None else "sorted")
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
                            chunks=1, act_block=act)
