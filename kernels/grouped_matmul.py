@@ -90,10 +90,12 @@ def group_metadata(group_sizes, M: int, tm: int):
     vis_end = jnp.cumsum(n_vis)
     num_visits = vis_end[-1]
     V = -(-M // tm) + E - 1
-    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), num_visits - 1)              # tail repeats the last visit
+    # The tail repeats the last visit; with no rows at all (a device whose tokens all go to other devices' experts)
+    # every visit is the skipped visit 0 of tile 0, so no block index goes below zero.
+    v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), jnp.maximum(num_visits - 1, 0))
     group = jnp.sum(v[:, None] >= vis_end[None, :], axis=1).astype(jnp.int32)
     group = jnp.minimum(group, E - 1)
-    tile = first_tile[group] + v - (vis_end[group] - n_vis[group])
+    tile = jnp.clip(first_tile[group] + v - (vis_end[group] - n_vis[group]), 0, -(-M // tm) - 1)
     return offsets, group, tile.astype(jnp.int32), num_visits.reshape(1).astype(jnp.int32)
 
 

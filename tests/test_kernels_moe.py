@@ -33,6 +33,8 @@ GROUPS = {
     "one_expert": [0, 0, 21, 0, 0],
     "singletons": [1, 1, 1, 1, 17],       # five groups inside the first tile
     "first_only": [21, 0, 0, 0, 0],
+    "no_rows": [0, 0, 0, 0, 0],           # a device whose tokens all go to other devices' experts: zeros
+    "some_rows": [2, 0, 3, 0, 0],         # rows past the groups' sum (other devices' slots) come back zero
 }
 
 
@@ -58,6 +60,8 @@ def test_group_metadata_visits():
     assert list(zip(np.asarray(group)[:n], np.asarray(tile)[:n])) == [(0, 0), (2, 0), (2, 1), (3, 1), (3, 2)]
     assert group.shape[0] == -(-M // TM) + E - 1                     # the static bound
     assert list(np.asarray(offsets)) == [0, 3, 3, 12, 21, 21]
+    _, group, tile, nvis = group_metadata(jnp.zeros(E, jnp.int32), M, TM)   # nothing to visit: no index below 0
+    assert int(nvis[0]) == 0 and np.asarray(tile).min() == 0 and 0 <= np.asarray(group).min() <= np.asarray(group).max() < E
 
 
 @pytest.mark.timeout(240)
