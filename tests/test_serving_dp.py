@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import assert_same_greedy, greedy_step_logits, model_terms
+from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: these tests run interpreted kernels)
 from flax import nnx
 
 from qwen35 import Qwen35ForCausalLM, generate, sharding, tiny

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: these tests run interpreted kernels)
 from flax import nnx
 
 from qwen35 import Qwen35ForCausalLM, generate, load_trained, sharding, tiny

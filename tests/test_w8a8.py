@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import assert_close, model_terms
+from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: these tests run interpreted kernels)
 
 import qwen35
 from qwen35 import sharding as S
