@@ -95,7 +95,7 @@ def group_metadata(group_sizes, M: int, tm: int):
     v = jnp.minimum(jnp.arange(V, dtype=jnp.int32), jnp.maximum(num_visits - 1, 0))
     group = jnp.sum(v[:, None] >= vis_end[None, :], axis=1).astype(jnp.int32)
     group = jnp.minimum(group, E - 1)
-    tile = jnp.clip(first_tile[group] + v - (vis_end[group] - n_vis[group]), 0, -(-M // tm) - 1)
+    tile = first_tile[group] + v - (vis_end[group] - n_vis[group])
     return offsets, group, tile.astype(jnp.int32), num_visits.reshape(1).astype(jnp.int32)
 
 
