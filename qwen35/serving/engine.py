@@ -194,7 +194,8 @@ class Engine:
     fused: one jitted program per step (default off CPU) or one per layer (`LayerwiseStep`, default on CPU).
     min_batch_rows: a step's rows are its scheduled sequences rounded up to a power of two, at least this (a
       floor of 32 lets engines of different concurrency share compiled programs, as the tests do; the default 1
-      pads least; a step has at least `MIN_ROWS` = 2 rows in any case).
+      pads least; a step has at least `MIN_ROWS` = 2 rows in any case). A speculative step's verify rows have
+      the same floor.
     min_page_width: a step's page-table width is its longest block table's, at least this many pages (a floor at
       max_model_len / block_size gives every step of a run one width: fewer compiles, more keys read).
     mesh: serve on a device mesh with attention data-parallel (default: the mesh of a model from
@@ -379,7 +380,7 @@ class Engine:
             P = min(_page_width(max(longest, self.min_page_width)), self.page_bucket)
         nv = sum(map(_verifies, sched))
         pf = [s for s, rn in enumerate(sched) if rn[1] > 1 and not _verifies(rn)]
-        Sv = min(_pow2(nv, 1), Sb) if nv else 0
+        Sv = min(_pow2(nv, self.min_batch_rows), Sb) if nv else 0  # verify rows share min_batch_rows' floor
         if not pf:
             return StepShape(Sb, P, min(_pow2(sum(q_lens), Sb), self.token_bucket) if nv else Sb, 0, 1, 0, Sv,
                              nv == len(sched) > 0)
