@@ -700,11 +700,20 @@ class Experts(nnx.Module):
             self.gate_up_proj_scale_inv = nnx.Param(jnp.ones((E, b(2 * I), b(H)), jnp.float32))
             self.down_proj_scale_inv = nnx.Param(jnp.ones((E, b(H), b(I)), jnp.float32))
 
+    def fp8_tiles(self) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None:
+        """(gate_up, down, gate_up_scale_inv, down_scale_inv) as stored, when the experts are FP8 with whole 128-wide
+        scale blocks along both contractions (H and I): what the Pallas kernels read tile by tile, scaling in VMEM,
+        so the weights stream from HBM at one byte each. Else None (the kernels then take `dequantized`)."""
+        gu, dn = self.gate_up_proj[...], self.down_proj[...]
+        if not self.fp8 or gu.shape[2] % FP8_BLOCK or dn.shape[2] % FP8_BLOCK:
+            return None
+        return gu, dn, self.gate_up_proj_scale_inv[...], self.down_proj_scale_inv[...]
+
     def dequantized(self, dtype) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) to multiply with: the stored arrays, or with `fp8` the block-dequantised ones in `dtype`
-        (inside a jitted forward, a transient copy of this layer's experts). The unsharded Pallas path skips it:
-        its kernels read the FP8 tiles and scales themselves (`qwen35.kernels.grouped_matmul`); the XLA paths and
-        the expert-parallel `moe_ep` use it."""
+        (inside a jitted forward, a transient copy of this layer's experts). The Pallas paths skip it when they can
+        (`fp8_tiles`): their kernels read the FP8 tiles and scales themselves (`qwen35.kernels.grouped_matmul`);
+        the XLA paths and the sharded model's `moe_ep` use it."""
         gu, dn = self.gate_up_proj[...], self.down_proj[...]
         if not self.fp8:
             return gu, dn
@@ -796,10 +805,11 @@ class SparseMoeBlock(nnx.Module):
         if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
             from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
 
-            gu, dn = ex.gate_up_proj[...], ex.down_proj[...]
-            if ex.fp8 and gu.shape[2] % FP8_BLOCK == 0 and dn.shape[2] % FP8_BLOCK == 0:  # FP8 tiles read in VMEM
-                return experts_sorted_pallas(x, weights, experts, gu, dn, gate_up_scale=ex.gate_up_proj_scale_inv[...],
-                                             down_scale=ex.down_proj_scale_inv[...], act_fp8=self.config.act_fp8)
+            tiles = ex.fp8_tiles()
+            if tiles is not None:  # FP8 tiles read in VMEM
+                gu, dn, gs, ds = tiles
+                return experts_sorted_pallas(x, weights, experts, gu, dn, gate_up_scale=gs, down_scale=ds,
+                                             act_fp8=self.config.act_fp8)
             return experts_sorted_pallas(x, weights, experts, *ex.dequantized(x.dtype))
         gu, dn = ex.dequantized(x.dtype)
         act = ACT_BLOCK if self.config.act_fp8 else None

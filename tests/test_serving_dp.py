@@ -233,7 +233,8 @@ def test_serving_step_lowers_for_tpu():
     """The engine's whole step with `backend="pallas"`, exported for a TPU from shapes (`plan.export_step`): every
     kernel lowers with Mosaic, which checks the TPU lowering rules that the interpret-mode runs of the other tests
     skip. One device: a decode step and a mixed step (one prefill chunk beside the decodes); the (2, 4) mesh: the
-    mixed step inside the data-parallel `shard_map`, the MoE's exchange around the kernels."""
+    mixed step inside the data-parallel `shard_map`, the MoE's exchange around the kernels, also with FP8 experts
+    (W8A16 and W8A8) read by the kernels as stored."""
     import re
 
     from qwen35.config import FULL, LINEAR
@@ -257,6 +258,20 @@ def test_serving_step_lowers_for_tpu():
         assert exported.nr_devices == (8 if engine is dp else 1)
         if engine is dp:  # the MoE exchange: all-gathers and reduce-scatters between the kernels
             assert "all_gather" in text and "reduce_scatter" in text
+    # FP8 experts on the mesh, W8A16 and W8A8 (act_fp8: the kernels' FP8 x FP8 products; whole 512-wide activation
+    # blocks): the kernels inside the exchange read each device's experts as stored, float8, never a dequantised
+    # float32 copy (running them here is left to the kernel tests: TPU interpret mode on 8 fake devices hangs)
+    for act_fp8 in (False, True):
+        cq = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), hidden_size=512, moe_intermediate_size=512,
+                  num_experts=8, num_experts_per_tok=2, backend="pallas", act_fp8=act_fp8)
+        mq = Qwen35ForCausalLM(cq, rngs=nnx.Rngs(0), fp8_experts=True)
+        dpq = Engine(mq, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
+                     block_size=16, max_model_len=64, num_blocks=11)
+        text = export_step(dpq, (2, P, 32, 1, 16, 0)).mlir_module()
+        assert moe <= set(re.findall(r'kernel_name = "([^"]+)"', text)) and "all_gather" in text, act_fp8
+        E, I2, H = mq.model.layers[0].mlp.experts.gate_up_proj[...].shape
+        assert f"tensor<{E // 4}x{I2}x{H}xf8E4M3FN>" in text, act_fp8      # each device's FP8 gate_up, as stored
+        assert f"tensor<{E // 4}x{I2}x{H}xf32>" not in text, act_fp8       # and no dequantised copy of it
 
 
 def test_step_memory_from_shapes_alone():

@@ -140,7 +140,7 @@ def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
     return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
 
 
-def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None):
+def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, scales=None, act_fp8=False):
     El, k = gate_up.shape[0], experts.shape[1]
     if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
         # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
@@ -148,14 +148,18 @@ def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None):
         experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
     if impl == "dense":
         return experts_dense(x, weights, experts, gate_up, down, act_block=act_block)
-    if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`backend="pallas"`, dequantised weights)
+    if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`backend="pallas"`); with `scales`, FP8 weights
+        # read as FP8 tiles with their 128x128 block scales, and with `act_fp8` FP8 x FP8 products (W8A8)
         from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # lazy: the kernels import the model
 
-        return experts_sorted_pallas(x, weights, experts, gate_up, down)
+        gs, ds = scales if scales is not None else (None, None)
+        return experts_sorted_pallas(x, weights, experts, gate_up, down, gate_up_scale=gs, down_scale=ds,
+                                     act_fp8=act_fp8)
     return experts_sorted(x, weights, experts, gate_up, down, act_block=act_block)
 
 
-def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks, act_block=None):
+def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks, act_block=None,
+                    scales=None, act_fp8=False):
     """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
     parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
 
@@ -182,7 +186,7 @@ def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarc
         # local expert anyway: id 0.
         off = El if impl in ("sorted", "pallas") else 0
         y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, off), gate_up,
-                           down, impl, act_block)
+                           down, impl, act_block, scales, act_fp8)
         if ex_axes:
             y = scatter(y)
         if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
@@ -485,13 +489,22 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
     tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
     default), each device sums its own experts' share (the layer's local path: dense, sorted, or with
-    `backend="pallas"` the grouped matmul kernels), and a
+    `backend="pallas"` the grouped matmul kernels, which read FP8 experts as stored, FP8 tiles and block scales,
+    and with `act_fp8` multiply FP8 by FP8), and a
     reduce-scatter returns each device its own tokens' sums. With no expert axis the experts are whole on every
     device and this is the block's own `routed`."""
     if not expert_axes:
         return block.routed(x, weights, experts)
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
+    pallas = block.impl == "sorted" and block.config.backend == "pallas"
+    tiles = block.experts.fp8_tiles() if pallas and scheme == "allgather" else None
+    if tiles is not None:  # the kernels read this device's FP8 experts as stored: 1 byte a weight from HBM
+        gate_up, down, *scales = tiles
+        y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
+                               ex_axes=tuple(expert_axes), tp_axes=(), impl="pallas", hierarchical=bool(hierarchical),
+                               chunks=1, scales=tuple(scales), act_fp8=block.config.act_fp8)
+        return y
     gate_up, down = block.experts.dequantized(x.dtype)
     act = ACT_BLOCK if block.config.act_fp8 else None
     if scheme == "ragged":
@@ -500,8 +513,7 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
         return y
     if scheme != "allgather":
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
-    impl = ("dense" if block.impl == "dense" else
-            "pallas" if block.impl == "sorted" and block.config.backend == "pallas" and act is None else "sorted")
+    impl = "dense" if block.impl == "dense" else "pallas" if pallas and act is None else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
                            chunks=1, act_block=act)
