@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_close, moe_terms
+from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: some tests run interpreted kernels)
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -171,6 +172,62 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     # chip x core: experts and tokens over both axes, reduce-scatter hierarchical (core first, then chip).
     y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(chip=4, core=2), local_impl="dense")
     assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
+
+
+def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch):
+    """`MeshExecution` (a model placed by `shard_model`) with backend="pallas": the all-gather exchange runs each
+    device's experts on the grouped matmul kernels (`experts_sorted_pallas`, called while tracing), and the MoE's
+    routed sum equals the dense sum on one device."""
+    from qwen35 import tiny
+    from qwen35.kernels import grouped_matmul
+
+    calls = []
+    real = grouped_matmul.experts_sorted_pallas
+    monkeypatch.setattr(grouped_matmul, "experts_sorted_pallas",
+                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    cfg = tiny(backend="pallas")
+    block = SparseMoeBlock(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.normal(size=(24, cfg.hidden_size)), jnp.float32)  # 3 tokens per device
+    w, e, _ = route(x, block.gate.weight[...], cfg.num_experts_per_tok)
+    with jax.default_matmul_precision("highest"):
+        got = S.MeshExecution(S.make_mesh(expert=8)).routed_fn()(block, x, w, e)
+        want = experts_dense(x, w, e, *block.experts.dequantized(jnp.float32))
+    jax.effects_barrier()
+    assert calls, "the mesh's MoE did not run the kernels"
+    assert_close(got, want, terms=moe_terms(cfg), name="pallas model on expert=8 vs dense")
+
+
+def test_moe_ep_reads_fp8_experts_as_stored_when_exported_for_tpu():
+    """FP8 experts with their block scales through the all-gather exchange on the kernels (W8A16, and W8A8 with
+    act_fp8), exported for TPU on expert=8: the grouped matmul kernels are in the program, each device's experts
+    enter them as float8, and no float32 copy of them is made. (Running it interpreted on 8 fake devices hangs the
+    TPU interpreter; the kernels' FP8 arithmetic is checked on one device.) Scales given to a path that cannot read
+    them, or act_fp8 without them, are refused."""
+    from qwen35.kernels.interpret import lower_for_tpu
+    from qwen35.weights import fp8_block_quantize
+
+    E, H, I, k, N = 8, 512, 512, 2, 16
+    r = np.random.default_rng(0)
+    (gq, gs), (dq, ds) = (fp8_block_quantize(r.standard_normal(shape) / np.sqrt(shape[-1]))
+                          for shape in ((E, 2 * I, H), (E, H, I)))
+    mesh = S.make_mesh(expert=8)
+    args = (jax.ShapeDtypeStruct((N, H), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.float32),
+            jax.ShapeDtypeStruct((N, k), jnp.int32), *(jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)
+                                                       for a in (gq, dq, gs, ds)))
+    for act_fp8 in (False, True):
+        def f(x, w, e, gu, dn, gsc, dsc):
+            return S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="pallas", gate_up_scale=gsc, down_scale=dsc,
+                            act_fp8=act_fp8)
+        with lower_for_tpu():
+            text = jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+        kernels = set(re.findall(r'kernel_name = "([^"]+)"', text))
+        assert {"_gmm_swiglu_kernel", "_gmm_kernel"} <= kernels and "all_gather" in text, (act_fp8, kernels)
+        assert f"tensor<1x{2 * I}x{H}xf8E4M3FN>" in text and f"tensor<1x{2 * I}x{H}xf32>" not in text, act_fp8
+    x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1))
+    with pytest.raises(ValueError, match="read as stored"):
+        S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="sorted", gate_up_scale=gs, down_scale=ds)
+    with pytest.raises(ValueError, match="act_fp8"):
+        S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="pallas", act_fp8=True)
 
 
 @pytest.mark.parametrize("local_impl", ["sorted", "pallas"])

@@ -306,7 +306,7 @@ def _axes_size_traced(axes) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave,
-           native=False, act_block=None):
+           native=False, act_block=None, fp8_tiles=False, act_fp8=False):
     tok = P(tok_axes or None, None)
     tp = tp_axes or None
     gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
@@ -316,7 +316,17 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
     def prep(gate_up):
         return tp_interleave_gate_up(gate_up, m) if interleave and m > 1 else gate_up
 
-    if scheme == "allgather":
+    if scheme == "allgather" and fp8_tiles:  # FP8 experts and their block scales, split like the experts
+        def tiled(x, packed, gate_up, down, gate_up_scale, down_scale):
+            return _allgather_body(x, packed, gate_up, down, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
+                                   hierarchical=hierarchical, chunks=chunks, scales=(gate_up_scale, down_scale),
+                                   act_fp8=act_fp8)
+        f = jax.shard_map(tiled, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec, gu_spec, dn_spec),
+                          out_specs=(tok, P()), check_vma=False)
+
+        def run(x, weights, experts, gate_up, down, gate_up_scale, down_scale):
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down, gate_up_scale, down_scale)
+    elif scheme == "allgather":
         body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
                                  hierarchical=hierarchical, chunks=chunks, act_block=act_block)
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
@@ -346,7 +356,8 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
 def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
            capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
            hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
-           transport: str = "auto", act_block: int | None = None, return_stats: bool = False):
+           transport: str = "auto", act_block: int | None = None, gate_up_scale=None, down_scale=None,
+           act_fp8: bool = False, return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
     over `mesh`.
@@ -383,6 +394,10 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
     `act_block` (W8A8, `qwen35.moe.experts_dense`): the local experts round their activations through FP8 per row and
     `act_block` columns ("allgather" and "ragged"; with TP-MoE each device's I/m must hold whole blocks).
+    `gate_up_scale`, `down_scale`: gate_up and down are FP8 with these 128x128 block scales (`Experts.fp8_tiles`),
+    read as stored by `local_impl="pallas"` in "allgather" without tensor-parallel experts (one byte a weight from
+    HBM); with `act_fp8` the kernels multiply FP8 activations by them (W8A8). The other paths take dequantised
+    weights (`Experts.dequantized`).
     With `return_stats`, returns (y, EPStats)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -391,6 +406,15 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if local_impl == "pallas" and act_block is not None:
         raise ValueError("local_impl 'pallas' runs the kernels on dequantised weights; W8A8 (act_block) needs "
                          "local_impl 'sorted' or 'dense'")
+    fp8_tiles = gate_up_scale is not None or down_scale is not None
+    if fp8_tiles and (gate_up_scale is None or down_scale is None or local_impl != "pallas" or scheme != "allgather"
+                      or act_block is not None):
+        raise ValueError("FP8 experts with their block scales (gate_up_scale and down_scale, both) are read as "
+                         "stored by local_impl='pallas' in scheme 'allgather' (W8A8 by act_fp8=True, not "
+                         "act_block); for the other paths pass the dequantised weights (Experts.dequantized)")
+    if act_fp8 and not fp8_tiles:
+        raise ValueError("act_fp8 multiplies FP8 activations by FP8 weights in the kernels: pass gate_up_scale and "
+                         "down_scale with the FP8 experts (or act_block for the XLA paths' W8A8)")
     if gate_up_layout not in ("checkpoint", "tp_interleaved"):
         raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
     if transport not in TRANSPORTS:
@@ -470,9 +494,13 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         C = None
         if t % chunks:
             raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
+    if fp8_tiles and tp_axes:
+        raise ShardingError("FP8 experts read as stored need whole experts per device: with tensor-parallel experts "
+                            "(an 'expert_mlp' axis) pass the dequantised weights")
     f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
-               gate_up_layout == "checkpoint", native, act_block)
-    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down)
+               gate_up_layout == "checkpoint", native, act_block, fp8_tiles, bool(act_fp8))
+    scales = (jnp.asarray(gate_up_scale), jnp.asarray(down_scale)) if fp8_tiles else ()
+    y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down, *scales)
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)

@@ -176,11 +176,23 @@ class MeshExecution:
 
     def routed_fn(self):
         """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
+        # backend="pallas": the local experts run on the grouped matmul kernels (all-gather exchange, whole experts
+        # per device), FP8 experts read as stored
+        kernels = self.moe_exchange == "allgather" and not mesh_axes_for("expert_mlp", self.mesh, self.rules)
+
         def routed(block, x, weights, experts):
+            common = dict(mesh=self.mesh, scheme=self.moe_exchange, capacity_factor=self.capacity_factor,
+                          rules=self.rules, chunks=self.moe_chunks, gate_up_layout=self.gate_up_layout)
+            pallas = kernels and block.impl == "sorted" and block.config.backend == "pallas"
+            tiles = block.experts.fp8_tiles() if pallas else None
+            if tiles is not None:
+                gate_up, down, gs, ds = tiles
+                return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas", gate_up_scale=gs,
+                              down_scale=ds, act_fp8=block.config.act_fp8, **common)
             gate_up, down = block.experts.dequantized(x.dtype)
-            return moe_ep(x, weights, experts, gate_up, down, mesh=self.mesh, scheme=self.moe_exchange,
-                          capacity_factor=self.capacity_factor, rules=self.rules, chunks=self.moe_chunks,
-                          gate_up_layout=self.gate_up_layout, act_block=ACT_BLOCK if block.config.act_fp8 else None)
+            act = ACT_BLOCK if block.config.act_fp8 else None
+            return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas" if pallas and act is None else
+                          "sorted", act_block=act, **common)
         return routed
 
     def init_cache(self, model, batch_size: int, max_len: int, dtype=None):
