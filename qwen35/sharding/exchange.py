@@ -316,24 +316,17 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
     def prep(gate_up):
         return tp_interleave_gate_up(gate_up, m) if interleave and m > 1 else gate_up
 
-    if scheme == "allgather" and fp8_tiles:  # FP8 experts and their block scales, split like the experts
-        def tiled(x, packed, gate_up, down, gate_up_scale, down_scale):
+    if scheme == "allgather":
+        # With `fp8_tiles`, the FP8 experts' block scales follow them as two more operands, split like the experts
+        def body(x, packed, gate_up, down, *scales):
             return _allgather_body(x, packed, gate_up, down, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
-                                   hierarchical=hierarchical, chunks=chunks, scales=(gate_up_scale, down_scale),
-                                   act_fp8=act_fp8)
-        f = jax.shard_map(tiled, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec, gu_spec, dn_spec),
+                                   hierarchical=hierarchical, chunks=chunks, act_block=act_block,
+                                   scales=scales or None, act_fp8=act_fp8)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec) + (gu_spec, dn_spec) * fp8_tiles,
                           out_specs=(tok, P()), check_vma=False)
 
-        def run(x, weights, experts, gate_up, down, gate_up_scale, down_scale):
-            return f(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down, gate_up_scale, down_scale)
-    elif scheme == "allgather":
-        body = functools.partial(_allgather_body, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
-                                 hierarchical=hierarchical, chunks=chunks, act_block=act_block)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
-                          check_vma=False)
-
-        def run(x, weights, experts, gate_up, down):
-            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down)
+        def run(x, weights, experts, gate_up, down, *scales):
+            return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down, *scales)
     elif scheme == "ragged":
         body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native, grouped_impl="auto",
                                  act_block=act_block)
@@ -529,12 +522,10 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     tiles = block.experts.fp8_tiles() if pallas and scheme == "allgather" else None
     if tiles is not None:  # the kernels read this device's FP8 experts as stored: 1 byte a weight from HBM
         gate_up, down, *scales = tiles
-        y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
-                               ex_axes=tuple(expert_axes), tp_axes=(), impl="pallas", hierarchical=bool(hierarchical),
-                               chunks=1, scales=tuple(scales), act_fp8=block.config.act_fp8)
-        return y
-    gate_up, down = block.experts.dequantized(x.dtype)
-    act = ACT_BLOCK if block.config.act_fp8 else None
+        scales, act = tuple(scales), None
+    else:
+        (gate_up, down), scales = block.experts.dequantized(x.dtype), None
+        act = ACT_BLOCK if block.config.act_fp8 else None
     if scheme == "ragged":
         y, _ = _ragged_body(x, weights, experts, gate_up, down, ex_axes=tuple(expert_axes), tp_axes=(),
                             native=native, grouped_impl="auto", act_block=act)
@@ -544,7 +535,7 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     impl = "dense" if block.impl == "dense" else "pallas" if pallas and act is None else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
-                           chunks=1, act_block=act)
+                           chunks=1, act_block=act, scales=scales, act_fp8=tiles is not None and block.config.act_fp8)
     return y
 
 
