@@ -26,6 +26,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Run each CPU computation on the calling thread (before the backend starts; read once). TPU interpret mode runs a
+# kernel's body through host callbacks that launch computations of their own; with asynchronous dispatch the main
+# thread can queue enough eager work to take every slot of the CPU client's in-flight limit while the queued
+# computations wait on a kernel whose callback waits for a slot: a deadlock (seen as a worker killed by the timeout
+# in an eager W8A8 MoE block test, about one run in twenty under load).
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def pytest_report_header(config):
