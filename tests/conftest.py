@@ -6,6 +6,11 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA's CPU client runs computations and host callbacks on one pool of threads, sized from the core count (NPROC
+# overrides it; 8 threads with 8 fake devices on a 2-core machine). A kernel in TPU interpret mode inside
+# `shard_map` holds a pool thread per device in its callback, each waiting for an array that XLA computes on the
+# same pool: once the kernel's operands pass ~100 KiB per device no thread was left and the run hung. 32 leave room.
+os.environ.setdefault("NPROC", "32")
 # One persistent compilation cache for the whole run, shared by both workers and the notebooks' kernels (they
 # inherit the environment): many files build the same tiny-preset programs (an engine's step programs take a few
 # seconds each to compile on CPU), and each compiles them once. A fresh directory per run (made by the first

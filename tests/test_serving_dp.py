@@ -204,13 +204,13 @@ def test_step_collectives_match_the_napkin_formula(model):
 
 
 @pytest.mark.timeout(600)
-def test_pallas_backend_on_a_mesh():
+@pytest.mark.parametrize("mesh,block_size,chunked", [("data=2,expert=4", 16, True), ("expert=8", 256, False)])
+def test_pallas_backend_on_a_mesh(mesh, block_size, chunked):
     """`backend="pallas"` inside the data-parallel step: the ragged paged attention kernel reads each rank's own
-    pages and the paged GDN decode kernel its own state blocks, and greedy tokens equal `generate` with the XLA
-    backend on one device. Two layers (one GDN, one attention) keep the interpreter's compile time down.
-    `num_blocks=11` keeps each rank's pool at 88 KiB: TPU interpret mode on 8 fake CPU devices of a 2-core machine
-    deadlocks when a kernel's HBM operand passes ~100 KiB per device (measured on jax 0.10.2: 96 KiB ran, 104 KiB
-    hung: the interpreter's host copy of the operand never completes while the other devices wait at its barrier)."""
+    pages, the paged GDN decode kernel its own state blocks, the grouped matmul kernels each device's experts, and
+    greedy tokens equal `generate` with the XLA backend on one device. Two layers (one GDN, one attention) keep the
+    interpreter's compile time down; each rank's pool is the engine's default (on expert=8 with 256-token pages,
+    640 KiB per device: `tests/conftest.py` sizes XLA's thread pool so the interpreted kernels do not hang)."""
     from qwen35.config import FULL, LINEAR
 
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
@@ -218,13 +218,13 @@ def test_pallas_backend_on_a_mesh():
     m_pal = Qwen35ForCausalLM(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20, 9)]
-    engine = Engine(m_pal, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
-                    block_size=16, max_model_len=64, num_blocks=11)
+    engine = Engine(m_pal, mesh=meshes()[mesh](), max_num_seqs=2, max_num_batched_tokens=32,
+                    block_size=block_size, max_model_len=64, enable_chunked_prefill=chunked)
     outs = engine.generate(prompts, SamplingParams(max_tokens=3))
     for i, (o, p) in enumerate(zip(outs, prompts)):
         want = generate(m_xla, np.asarray(p), 3)
         assert_same_greedy(o.token_ids, want, greedy_step_logits(m_xla, p, want), model_terms(cfg, 64),
-                           name=f"request {i}, Pallas engine on a mesh vs XLA generate")
+                           name=f"request {i}, Pallas engine on {mesh} vs XLA generate")
         assert len(o.token_ids) == 3
     assert_all_free(engine)
 
@@ -260,7 +260,7 @@ def test_serving_step_lowers_for_tpu():
             assert "all_gather" in text and "reduce_scatter" in text
     # FP8 experts on the mesh, W8A16 and W8A8 (act_fp8: the kernels' FP8 x FP8 products; whole 512-wide activation
     # blocks): the kernels inside the exchange read each device's experts as stored, float8, never a dequantised
-    # float32 copy (running them here is left to the kernel tests: TPU interpret mode on 8 fake devices hangs)
+    # float32 copy (tests/test_w8a8.py runs the FP8 exchange on the kernels on 8 devices)
     for act_fp8 in (False, True):
         cq = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), hidden_size=512, moe_intermediate_size=512,
                   num_experts=8, num_experts_per_tok=2, backend="pallas", act_fp8=act_fp8)

@@ -200,9 +200,9 @@ def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypat
 def test_moe_ep_reads_fp8_experts_as_stored_when_exported_for_tpu():
     """FP8 experts with their block scales through the all-gather exchange on the kernels (W8A16, and W8A8 with
     act_fp8), exported for TPU on expert=8: the grouped matmul kernels are in the program, each device's experts
-    enter them as float8, and no float32 copy of them is made. (Running it interpreted on 8 fake devices hangs the
-    TPU interpreter; the kernels' FP8 arithmetic is checked on one device.) Scales given to a path that cannot read
-    them, or act_fp8 without them, are refused."""
+    enter them as float8, and no float32 copy of them is made (tests/test_w8a8.py runs the same exchange
+    interpreted on 8 devices against the references). Scales given to a path that cannot read them, or act_fp8
+    without them, are refused."""
     from qwen35.kernels.interpret import lower_for_tpu
     from qwen35.weights import fp8_block_quantize
 

@@ -111,6 +111,29 @@ def test_moe_block_w8a8_on_the_kernels_equals_xla():
     assert_w8a8_close(outs["xla"][0] - shared, w8a8_reference(x[0], w, e, gq, gs, dq, ds), "MoE block vs reference")
 
 
+@pytest.mark.parametrize("act_fp8", [False, True])
+def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8):
+    """The all-gather exchange on expert=8 with FP8 experts as stored (one per device, its 128x128 block scales
+    beside it) on the grouped matmul kernels, interpreted: W8A16 equals the dense sum of the dequantised experts,
+    W8A8 (`act_fp8`) the plain W8A8 reference. (The same program exported for TPU reads float8 experts and makes no
+    float32 copy: tests/test_sharding.py.)"""
+    rng = np.random.default_rng(5)
+    E, N, k = 8, 16, 2
+    gq, gs, dq, ds = fp8_experts(rng, E)
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    with jax.default_matmul_precision("highest"):
+        got = S.moe_ep(x, weights, experts, jnp.asarray(gq), jnp.asarray(dq), mesh=S.make_mesh(expert=8),
+                       local_impl="pallas", gate_up_scale=jnp.asarray(gs), down_scale=jnp.asarray(ds),
+                       act_fp8=act_fp8)
+        if act_fp8:
+            assert_w8a8_close(got, w8a8_reference(x, weights, experts, gq, gs, dq, ds), "W8A8 on expert=8")
+        else:
+            want = experts_dense(x, weights, experts, fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds))
+            assert_close(got, want, terms=H + I + k, name="W8A16 on expert=8 vs dense")  # gate/up, down, the k sum
+
+
 @pytest.mark.timeout(300)
 def test_w8a8_checkpoint_loads_serves_sharded_and_moves_logits_a_little(tmp_path):
     """An FP8 checkpoint loaded with act_fp8=True (fp8="keep"): the in-memory W8A8 model's logits; against the
