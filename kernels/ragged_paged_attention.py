@@ -278,14 +278,6 @@ def ragged_paged_attention_pool(q, pool, kv_index, kv_lens, page_indices, cu_q_l
     page = jax.ShapeDtypeStruct(pool.shape[1:], kv_dtype)
     check_ragged_inputs(q, page, page, kv_lens, page_indices, cu_q_lens, num_seqs)
     idx = jnp.asarray(kv_index, jnp.int32)
-    if interpret is None and default_interpret() is not False:
-        # In interpret mode, by default: the interpreter gets the layer's K and V pages as two arrays (copies). With the whole
-        # pool as its operand, TPU interpret mode hung inside the engine's multi-device layer programs (its threads
-        # blocked allocating the kernel's buffers; not reproduced outside the engine). An explicit `interpret`
-        # runs the in-place path below, as on TPU (tests/test_kernels_attention.py checks it).
-        k, v = (jax.lax.bitcast_convert_type(pool[i], kv_dtype) for i in (idx, idx + 1))
-        return _rpa_call(q, k[None], v[None], jnp.zeros(2, jnp.int32), kv_lens, page_indices, cu_q_lens, num_seqs,
-                         sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block, interpret=None)
     return _rpa_call(q, pool, None, jnp.stack([idx, idx + 1]), kv_lens, page_indices, cu_q_lens, num_seqs,
                      sm_scale=sm_scale, block_q=block_q, pages_per_block=pages_per_block, interpret=interpret,
                      kv_dtype=kv_dtype)
