@@ -7,12 +7,16 @@ serving engine's step) lowers every kernel for a TPU from a CPU machine.
 
 `races_found`: TPU interpret mode's race detector. With `pltpu.InterpretParams(detect_races=True)` the interpreter
 prints a race instead of raising, and keeps its flag in a private module: `races_found` reads it, so tests and
-notebooks need no import from `jax._src` (if jax moves the flag, only this file changes)."""
+notebooks need no import from `jax._src` (if jax moves the flag, only this file changes).
+
+`check_interpreter_threads`: interpreted kernels on several CPU devices need spare threads in XLA's CPU pool."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
+import warnings
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
@@ -51,3 +55,18 @@ def races_found() -> bool:
     jax.effects_barrier()
     assert ipc.races is not None, "no kernel ran in TPU interpret mode with detect_races since the last reset"
     return bool(ipc.races.races_found)
+
+
+def check_interpreter_threads(num_devices: int) -> None:
+    """Warn when kernels will run in TPU interpret mode on `num_devices` > 1 CPU devices with XLA's CPU thread pool
+    (sized from the core count, or `NPROC`, when jax starts) under twice the devices. Inside `shard_map` each
+    device's kernel holds a pool thread in its host callback while it waits for an array computed on the same
+    pool: with 8 fake devices on a 2-core machine a kernel whose operands pass ~100 KiB per device hung."""
+    if num_devices <= 1 or default_interpret() is False or jax.default_backend() != "cpu":
+        return
+    threads = int(os.environ.get("NPROC") or os.cpu_count() or 1)
+    if threads < 2 * num_devices:
+        warnings.warn(f"Pallas kernels will run in TPU interpret mode on {num_devices} CPU devices with about "
+                      f"{threads} XLA threads; they can hang once an operand passes ~100 KiB per device. Set "
+                      f"NPROC={4 * num_devices} in the environment before jax starts (tests/conftest.py sets 32), "
+                      f"or use backend='xla' on CPU", RuntimeWarning, stacklevel=3)

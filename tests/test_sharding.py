@@ -197,6 +197,24 @@ def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypat
     assert_close(got, want, terms=moe_terms(cfg), name="pallas model on expert=8 vs dense")
 
 
+def test_a_pallas_model_on_cpu_devices_warns_when_the_interpreter_may_starve(monkeypatch):
+    """Placing a `backend="pallas"` model on 8 CPU devices with XLA's CPU pool under twice the devices (the core
+    count, or NPROC) warns and names the fix (TPU interpret mode can hang there); with NPROC=32 it does not."""
+    import warnings
+
+    from qwen35 import tiny
+
+    model = Qwen35ForCausalLM(tiny(backend="pallas", num_hidden_layers=1, layer_types=("full_attention",)),
+                              rngs=nnx.Rngs(0))
+    monkeypatch.setenv("NPROC", "2")
+    with pytest.warns(RuntimeWarning, match="NPROC=32"):
+        S.shard_model(model, S.make_mesh(expert=8))
+    monkeypatch.setenv("NPROC", "32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        S.shard_model(model, S.make_mesh(expert=8))
+
+
 def test_moe_ep_reads_fp8_experts_as_stored_when_exported_for_tpu():
     """FP8 experts with their block scales through the all-gather exchange on the kernels (W8A16, and W8A8 with
     act_fp8), exported for TPU on expert=8: the grouped matmul kernels are in the program, each device's experts

@@ -266,6 +266,10 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
         raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "
                             "follow; use expert parallelism, or load the checkpoint with fp8='dequantize'")
+    if model.config.backend == "pallas":
+        from qwen35.kernels.interpret import check_interpreter_threads
+
+        check_interpreter_threads(mesh.size)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     specs = param_specs(params, mesh, rules)
 
