@@ -40,6 +40,15 @@ def fp8_experts(rng, E):
     return gq, gs, dq, ds
 
 
+def fp8_problem(rng, E, N, k):
+    """FP8 experts (`fp8_experts`) and N tokens routed to k distinct experts each with positive weights."""
+    gq, gs, dq, ds = fp8_experts(rng, E)
+    x = rng.standard_normal((N, H)).astype(np.float32)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    return (gq, gs, dq, ds), x, experts, weights
+
+
 def w8a8_reference(x, weights, experts, gq, gs, dq, ds):
     """Sort the slots by expert, the plain W8A8 grouped SwiGLU, the weighted sum back to tokens (numpy)."""
     N, k = experts.shape
@@ -66,11 +75,7 @@ def test_activation_rounding_is_quantise_then_dequantise():
 @pytest.mark.parametrize("path", ["dense", "tiles", "ragged_dot"])
 def test_xla_w8a8_paths_equal_the_reference(path):
     rng = np.random.default_rng(1)
-    E, N, k = 4, 12, 2
-    gq, gs, dq, ds = fp8_experts(rng, E)
-    x = rng.standard_normal((N, H)).astype(np.float32)
-    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
-    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=4, N=12, k=2)
     gu, dn = fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds)
     with jax.default_matmul_precision("highest"):
         if path == "dense":
@@ -118,11 +123,8 @@ def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8):
     W8A8 (`act_fp8`) the plain W8A8 reference. (The same program exported for TPU reads float8 experts and makes no
     float32 copy: tests/test_sharding.py.)"""
     rng = np.random.default_rng(5)
-    E, N, k = 8, 16, 2
-    gq, gs, dq, ds = fp8_experts(rng, E)
-    x = rng.standard_normal((N, H)).astype(np.float32)
-    experts = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
-    weights = rng.uniform(0.2, 1.0, (N, k)).astype(np.float32)
+    k = 2
+    (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=k)
     with jax.default_matmul_precision("highest"):
         got = S.moe_ep(x, weights, experts, jnp.asarray(gq), jnp.asarray(dq), mesh=S.make_mesh(expert=8),
                        local_impl="pallas", gate_up_scale=jnp.asarray(gs), down_scale=jnp.asarray(ds),
