@@ -367,9 +367,10 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
         assert_close(np.asarray(o)[:3], np.asarray(ro)[:3], terms=terms, name=f"layer {j} o")
         assert_close(read_rec(cfg, new, j, blocks)[:3], read_rec(cfg, rpool, j, blocks)[:3], terms=terms,
                      name=f"layer {j} new states")
-        mark = jnp.full((3, Hv, Dk, Dv), 1 + 2.0 ** -20)  # nonzero bits in both 16-bit halves
-        written = np.asarray(write_rec(cfg, jnp.zeros_like(pool), j, blocks[:3], mark) != 0)
-        assert written.sum() == 3 * lay.rec_elems  # the mask: the three rows' states of layer j, nothing else
+        written = np.zeros(pool.shape, bool)  # the three rows' recurrent units of layer j (the kernel writes
+        for r in range(3):                     # whole units: a part-filled last unit's unused tail too)
+            for u in range(j * lay.layer_units, j * lay.layer_units + lay.rec_units):
+                written[u % lay.units_per_block, int(blocks[r, u // lay.units_per_block])] = True
         np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(pool)[~written])
     assert run._cache_size() == 1
 

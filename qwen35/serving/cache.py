@@ -20,10 +20,12 @@ Layout (`PagedHybridCache.pool`, per device; with the engine on a mesh every ran
     numbered u = 0, 1, ... across its blocks (unit u is pool[u mod 2A, blocks[u div 2A]]), hold every GDN layer's
     state in turn: layer j's recurrent state (Hv·Dk·Dv float32, in the order [Hv, Dk, Dv]; in a 16-bit pool
     stored as two planes, the high 16 bits of every float32, then the low 16 bits) then its conv state
-    (conv_dim·Kc in the cache dtype), each rounded up to whole units, so every layer reads and writes whole units
-    and never another layer's. Planes, not interleaved halves: a kernel that DMAs a state into VMEM rebuilds each
-    float32 from two same-shaped tiles with a shift and an or (`join_halves`), where interleaved halves would
-    need a lane shuffle (`kernels/paged_gdn_decode.py` reads and writes the states in place that way).
+    (conv_dim·Kc in the cache dtype), each rounded up to whole units, so no unit holds two layers' data. A layer
+    reads and writes only its data: whole units, and the used prefix of a part-filled last unit (a conv state
+    often fills a small share of its unit; reading the whole unit would move several times its bytes). Planes,
+    not interleaved halves: a kernel that DMAs a state into VMEM rebuilds each float32 from two same-shaped tiles
+    with a shift and an or (`join_halves`), where interleaved halves would need a lane shuffle
+    (`kernels/paged_gdn_decode.py` reads and writes the states in place that way).
   * the pool holds bits, not numbers: K/V and states are bitcast in and out, so a float32 state survives a trip
     through 16-bit storage bit for bit. (Moving bfloat16 *values* is not safe for that: XLA:CPU computes bf16
     copies, pads and scatters through float32 and flushes the subnormal halves of a float32 to zero.)
@@ -240,20 +242,35 @@ def _state_units(lay: PoolLayout, j, blocks: jax.Array):
     return u % lay.units_per_block, jnp.take(blocks, u // lay.units_per_block, axis=1)
 
 
-def _units(lay: PoolLayout, pool, which, ids, first: int, n: int):
-    """[R, n · unit]: units [first, first + n) of a GDN layer's state for every row, in one gather (rows at
-    `NO_BLOCK` read zeros)."""
-    sl = slice(first, first + n)
-    return pool.at[which[None, sl], ids[:, sl]].get(mode="fill", fill_value=0).reshape(ids.shape[0], n * lay.unit)
+def _units(lay: PoolLayout, pool, which, ids, first: int, elems: int):
+    """[R, elems]: the first `elems` elements of a GDN layer's state part that starts at unit `first`, for every
+    row (rows at `NO_BLOCK` read zeros). Only the used part of a last, part-filled unit is read (a conv state
+    often fills an eighth of its unit): the whole units in one gather, the used prefix of the last in another."""
+    full, rest = divmod(elems, lay.unit)
+    R, parts = ids.shape[0], []
+    if full:
+        sl = slice(first, first + full)
+        parts.append(pool.at[which[None, sl], ids[:, sl]].get(mode="fill", fill_value=0).reshape(R, full * lay.unit))
+    if rest:
+        k = first + full
+        parts.append(pool.at[which[k], ids[:, k], :rest].get(mode="fill", fill_value=0))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _set_units(lay: PoolLayout, pool, which, ids, first: int, n: int, x):
-    """`pool` with units [first, first + n) of every row's layer state set to x [R, <= n · unit] (zero-padded to
-    whole units), in one scatter (rows at `NO_BLOCK` dropped)."""
-    R = ids.shape[0]
-    x = jnp.pad(x, ((0, 0), (0, n * lay.unit - x.shape[1]))).reshape(R, n, lay.unit)
-    sl = slice(first, first + n)
-    return pool.at[which[None, sl], ids[:, sl]].set(x, mode="drop")
+def _set_units(lay: PoolLayout, pool, which, ids, first: int, x):
+    """`pool` with the state part that starts at unit `first` set to x [R, elems] for every row (rows at `NO_BLOCK`
+    dropped): whole units in one scatter, the used prefix of a last, part-filled unit in another (the rest of
+    that unit is never read, so it is not written)."""
+    R, elems = x.shape
+    full, rest = divmod(elems, lay.unit)
+    if full:
+        sl = slice(first, first + full)
+        pool = pool.at[which[None, sl], ids[:, sl]].set(x[:, :full * lay.unit].reshape(R, full, lay.unit),
+                                                         mode="drop")
+    if rest:
+        k = first + full
+        pool = pool.at[which[k], ids[:, k], :rest].set(x[:, full * lay.unit:], mode="drop")
+    return pool
 
 
 def join_halves(hi: jax.Array, lo: jax.Array) -> jax.Array:
@@ -290,7 +307,7 @@ def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax
     (rows at `NO_BLOCK` read zeros), in one gather of that layer's recurrent units."""
     c, lay = config, layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
-    rec = rec_from_bits(_units(lay, pool, which, ids, 0, lay.rec_units)[:, :lay.rec_elems])
+    rec = rec_from_bits(_units(lay, pool, which, ids, 0, lay.rec_elems))
     return rec.reshape(blocks.shape[0], c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
@@ -299,7 +316,7 @@ def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_
     `NO_BLOCK` read zeros), in one gather of that layer's conv units."""
     c, lay = config, layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
-    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_units)[:, :lay.conv_elems], pool)
+    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems), pool)
     return conv.reshape(blocks.shape[0], c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype)
 
 
@@ -316,7 +333,7 @@ def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: 
     lay = layout_of(config, pool)
     R = blocks.shape[0]
     which, ids = _state_units(lay, j, blocks)
-    return _set_units(lay, pool, which, ids, 0, lay.rec_units, rec_to_bits(rec.reshape(R, -1), pool.dtype))
+    return _set_units(lay, pool, which, ids, 0, rec_to_bits(rec.reshape(R, -1), pool.dtype))
 
 
 def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
@@ -324,8 +341,7 @@ def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv
     at `NO_BLOCK` are dropped), in one scatter of that layer's conv units."""
     lay = layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
-    return _set_units(lay, pool, which, ids, lay.rec_units, lay.conv_units,
-                      to_pool(conv, pool).reshape(blocks.shape[0], -1))
+    return _set_units(lay, pool, which, ids, lay.rec_units, to_pool(conv, pool).reshape(blocks.shape[0], -1))
 
 
 def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,
