@@ -174,27 +174,27 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
 
 
-def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch):
-    """`MeshExecution` (a model placed by `shard_model`) with backend="pallas": the all-gather exchange runs each
-    device's experts on the grouped matmul kernels (`experts_sorted_pallas`, called while tracing), and the MoE's
-    routed sum equals the dense sum on one device."""
+@pytest.mark.parametrize("exchange", ["allgather", "ragged"])
+def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch, exchange):
+    """`MeshExecution` (a model placed by `shard_model`) with backend="pallas": the all-gather and the ragged
+    all-to-all exchanges run each device's experts on the grouped matmul + SwiGLU kernels (`grouped_swiglu`,
+    called while tracing), and the MoE's routed sum equals the dense sum on one device."""
     from qwen35 import tiny
     from qwen35.kernels import grouped_matmul
 
     calls = []
-    real = grouped_matmul.experts_sorted_pallas
-    monkeypatch.setattr(grouped_matmul, "experts_sorted_pallas",
-                        lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = grouped_matmul.grouped_swiglu
+    monkeypatch.setattr(grouped_matmul, "grouped_swiglu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     cfg = tiny(backend="pallas")
     block = SparseMoeBlock(cfg, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.normal(size=(24, cfg.hidden_size)), jnp.float32)  # 3 tokens per device
     w, e, _ = route(x, block.gate.weight[...], cfg.num_experts_per_tok)
     with jax.default_matmul_precision("highest"):
-        got = S.MeshExecution(S.make_mesh(expert=8)).routed_fn()(block, x, w, e)
+        got = S.MeshExecution(S.make_mesh(expert=8), moe_exchange=exchange).routed_fn()(block, x, w, e)
         want = experts_dense(x, w, e, *block.experts.dequantized(jnp.float32))
     jax.effects_barrier()
-    assert calls, "the mesh's MoE did not run the kernels"
-    assert_close(got, want, terms=moe_terms(cfg), name="pallas model on expert=8 vs dense")
+    assert calls, f"the mesh's MoE ({exchange}) did not run the kernels"
+    assert_close(got, want, terms=moe_terms(cfg), name=f"pallas model on expert=8 ({exchange}) vs dense")
 
 
 def test_a_pallas_model_on_cpu_devices_warns_when_the_interpreter_may_starve(monkeypatch):

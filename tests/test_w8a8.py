@@ -116,24 +116,62 @@ def test_moe_block_w8a8_on_the_kernels_equals_xla():
     assert_w8a8_close(outs["xla"][0] - shared, w8a8_reference(x[0], w, e, gq, gs, dq, ds), "MoE block vs reference")
 
 
+@pytest.mark.parametrize("scheme", ["allgather", "ragged"])
 @pytest.mark.parametrize("act_fp8", [False, True])
-def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8):
-    """The all-gather exchange on expert=8 with FP8 experts as stored (one per device, its 128x128 block scales
-    beside it) on the grouped matmul kernels, interpreted: W8A16 equals the dense sum of the dequantised experts,
-    W8A8 (`act_fp8`) the plain W8A8 reference. (The same program exported for TPU reads float8 experts and makes no
-    float32 copy: tests/test_sharding.py.)"""
+def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8, scheme):
+    """The all-gather and the ragged all-to-all exchanges on expert=8 with FP8 experts as stored (one per device,
+    its 128x128 block scales beside it) on the grouped matmul kernels, interpreted: W8A16 equals the dense sum of
+    the dequantised experts, W8A8 (`act_fp8`) the plain W8A8 reference. (The same all-gather program exported for
+    TPU reads float8 experts and makes no float32 copy: tests/test_sharding.py.)"""
     rng = np.random.default_rng(5)
     k = 2
     (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=k)
     with jax.default_matmul_precision("highest"):
         got = S.moe_ep(x, weights, experts, jnp.asarray(gq), jnp.asarray(dq), mesh=S.make_mesh(expert=8),
-                       local_impl="pallas", gate_up_scale=jnp.asarray(gs), down_scale=jnp.asarray(ds),
-                       act_fp8=act_fp8)
+                       scheme=scheme, local_impl="pallas", gate_up_scale=jnp.asarray(gs),
+                       down_scale=jnp.asarray(ds), act_fp8=act_fp8)
         if act_fp8:
-            assert_w8a8_close(got, w8a8_reference(x, weights, experts, gq, gs, dq, ds), "W8A8 on expert=8")
+            assert_w8a8_close(got, w8a8_reference(x, weights, experts, gq, gs, dq, ds), f"W8A8 on expert=8 ({scheme})")
         else:
             want = experts_dense(x, weights, experts, fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds))
-            assert_close(got, want, terms=H + I + k, name="W8A16 on expert=8 vs dense")  # gate/up, down, the k sum
+            assert_close(got, want, terms=H + I + k, name=f"W8A16 on expert=8 ({scheme}) vs dense")  # gate/up, down, k
+
+
+def test_the_engines_exchange_reads_fp8_experts_on_the_kernels(monkeypatch):
+    """`moe_ep_local` (the serving engine's MoE inside its step's `shard_map`) with a W8A8 block on the kernels
+    (backend "pallas") on expert=8, each device holding one FP8 expert and its scales: both exact exchanges run
+    the grouped kernels on the FP8 experts as stored (FP8 x FP8) and equal the plain W8A8 reference."""
+    from jax.sharding import PartitionSpec as P
+
+    from qwen35.kernels import grouped_matmul
+
+    calls = []
+    real = grouped_matmul.grouped_swiglu
+    monkeypatch.setattr(grouped_matmul, "grouped_swiglu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+
+    rng = np.random.default_rng(7)
+    (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=2)
+    block = SparseMoeBlock(w8a8_config(backend="pallas"), rngs=nnx.Rngs(0), fp8_experts=True)
+    for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
+                        ("down_proj_scale_inv", ds)):
+        getattr(block.experts, name).set_value(jnp.asarray(value))
+    graph, state = nnx.split(block)
+    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    specs = [P("expert") if "experts" in jax.tree_util.keystr(path) else P() for path, _ in paths]
+    mesh = S.make_mesh(expert=8)
+    want = w8a8_reference(x, weights, experts, gq, gs, dq, ds)
+    for scheme in ("allgather", "ragged"):
+        def body(leaves, x, w, e, scheme=scheme):
+            local = nnx.merge(graph, jax.tree.unflatten(treedef, leaves))
+            return S.moe_ep_local(local, x, w, e, expert_axes=("expert",), scheme=scheme)
+
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("expert"), P("expert"), P("expert")),
+                                    out_specs=P("expert"), check_vma=False))
+        with jax.default_matmul_precision("highest"):
+            got = run([leaf for _, leaf in paths], jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts))
+        assert [(c["gate_up_scale"] is not None, c["act_fp8"]) for c in calls] == [(True, True)], (scheme, calls)
+        calls.clear()
+        assert_w8a8_close(got, want, f"the engine's {scheme} exchange on the kernels vs W8A8 reference")
 
 
 @pytest.mark.timeout(300)

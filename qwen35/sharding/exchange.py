@@ -251,7 +251,8 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
     return output.at[dest.reshape(-1)].set(got.reshape(N * max_slice, *got.shape[2:]), mode="drop")
 
 
-def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native, grouped_impl, act_block=None):
+def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, native, grouped_impl, act_block=None,
+                 act_fp8=False):
     """Per device: x [t, H], weights/experts [t, k]; gate_up/down hold this device's E/n experts (and, with
     tensor-parallel experts, its I/m slice of each).
 
@@ -263,7 +264,9 @@ def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native
     3. Ragged all-to-all back (the offsets swapped), then each slot's output times its routing weight is added to
        its token. No capacity, nothing dropped: equal to the single-device MoE.
     The receive buffer is static: n·t·min(k, E/n) rows, the most a device can get (each token sends at most
-    min(k, E/n) slots to one device)."""
+    min(k, E/n) slots to one device). `grouped_impl` "pallas": the grouped matmul + SwiGLU kernels, which read FP8
+    experts as stored when their block `scales` (gate_up's, down's) are given, and with `act_fp8` multiply FP8
+    activations by them; else `qwen35.moe.grouped_swiglu`'s implementation ("auto", "tiles", "ragged_dot")."""
     t, H = x.shape
     k = experts.shape[1]
     El = gate_up.shape[0]
@@ -287,7 +290,14 @@ def _ragged_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, native
     else:  # one slice holds at most t rows: a token routes at most one slot to each expert
         move = functools.partial(ragged_all_to_all_padded, axis_name=ex_axes, max_slice=t)
     x_recv = move(x_sorted, jnp.zeros((R, H), x.dtype), in_off, counts, out_off, recv)
-    y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl, act_block=act_block)  # [R, H]
+    if grouped_impl == "pallas":
+        from qwen35.kernels.grouped_matmul import grouped_swiglu as grouped_swiglu_pallas  # lazy: kernels import us
+
+        gs, ds = scales if scales else (None, None)
+        y_recv = grouped_swiglu_pallas(x_recv, group_sizes, gate_up, down, gate_up_scale=gs, down_scale=ds,
+                                       act_fp8=act_fp8)  # [R, H]
+    else:
+        y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl, act_block=act_block)
     # Back: this device's slices go to their sources; offsets here are where they landed (the all-to-all of the
     # sources' out_off), offsets there are where the sources took them from (the all-to-all of their in_off).
     here = jax.lax.all_to_all(out_off, ex_axes, 0, 0, tiled=True)
@@ -328,13 +338,14 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
         def run(x, weights, experts, gate_up, down, *scales):
             return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down, *scales)
     elif scheme == "ragged":
-        body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native, grouped_impl="auto",
-                                 act_block=act_block)
-        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec), out_specs=(tok, P()),
-                          check_vma=False)
+        body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native,
+                                 grouped_impl="pallas" if impl == "pallas" else "auto", act_block=act_block,
+                                 act_fp8=act_fp8)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec) + (gu_spec, dn_spec) * fp8_tiles,
+                          out_specs=(tok, P()), check_vma=False)
 
-        def run(x, weights, experts, gate_up, down):
-            return f(x, weights, experts, prep(gate_up), down)
+        def run(x, weights, experts, gate_up, down, *scales):
+            return f(x, weights, experts, prep(gate_up), down, *scales)
     else:
         body = functools.partial(_alltoall_body, ex_axes=ex_axes, tp_axes=tp_axes, all_axes=all_axes, C=C,
                                  chunks=chunks)
@@ -371,8 +382,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
                    (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
                    expert, in token order, like `experts_capacity` on its shard.
       "ragged"     dropless all-to-all: slots sorted by expert, their counts all-gathered, exactly the routed rows
-                   sent in a ragged all-to-all (one slice per expert), grouped SwiGLU on the receiver, a ragged
-                   all-to-all back. Equal to the single-device MoE at any load. `transport` "native" is
+                   sent in a ragged all-to-all (one slice per expert), grouped SwiGLU on the receiver
+                   (`local_impl` "sorted": XLA's, "pallas": the kernels), a ragged all-to-all back. Equal to the
+                   single-device MoE at any load. `transport` "native" is
                    `lax.ragged_all_to_all` (TPU, GPU); "padded" (`ragged_all_to_all_padded`) the same result
                    through a dense all-to-all of slices padded to t rows, for XLA:CPU, which has no ragged
                    all-to-all; "auto" picks by the mesh's platform. Per slot, not per token: a token whose k
@@ -388,9 +400,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     `act_block` (W8A8, `qwen35.moe.experts_dense`): the local experts round their activations through FP8 per row and
     `act_block` columns ("allgather" and "ragged"; with TP-MoE each device's I/m must hold whole blocks).
     `gate_up_scale`, `down_scale`: gate_up and down are FP8 with these 128x128 block scales (`Experts.fp8_tiles`),
-    read as stored by `local_impl="pallas"` in "allgather" without tensor-parallel experts (one byte a weight from
-    HBM); with `act_fp8` the kernels multiply FP8 activations by them (W8A8). The other paths take dequantised
-    weights (`Experts.dequantized`).
+    read as stored by `local_impl="pallas"` in "allgather" and "ragged" without tensor-parallel experts (one byte a
+    weight from HBM); with `act_fp8` the kernels multiply FP8 activations by them (W8A8). The other paths take
+    dequantised weights (`Experts.dequantized`).
     With `return_stats`, returns (y, EPStats)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
@@ -400,11 +412,11 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         raise ValueError("local_impl 'pallas' runs the kernels on dequantised weights; W8A8 (act_block) needs "
                          "local_impl 'sorted' or 'dense'")
     fp8_tiles = gate_up_scale is not None or down_scale is not None
-    if fp8_tiles and (gate_up_scale is None or down_scale is None or local_impl != "pallas" or scheme != "allgather"
-                      or act_block is not None):
+    if fp8_tiles and (gate_up_scale is None or down_scale is None or local_impl != "pallas"
+                      or scheme not in ("allgather", "ragged") or act_block is not None):
         raise ValueError("FP8 experts with their block scales (gate_up_scale and down_scale, both) are read as "
-                         "stored by local_impl='pallas' in scheme 'allgather' (W8A8 by act_fp8=True, not "
-                         "act_block); for the other paths pass the dequantised weights (Experts.dequantized)")
+                         "stored by local_impl='pallas' in schemes 'allgather' and 'ragged' (W8A8 by act_fp8=True, "
+                         "not act_block); for the other paths pass the dequantised weights (Experts.dequantized)")
     if act_fp8 and not fp8_tiles:
         raise ValueError("act_fp8 multiplies FP8 activations by FP8 weights in the kernels: pass gate_up_scale and "
                          "down_scale with the FP8 experts (or act_block for the XLA paths' W8A8)")
@@ -473,9 +485,9 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
             raise ValueError("capacity_factor applies to scheme='alltoall' only; 'ragged' drops nothing")
         if chunks != 1:
             raise ValueError("chunks applies to schemes 'allgather' and 'alltoall'; 'ragged' runs in one piece")
-        if local_impl != "sorted":
+        if local_impl not in ("sorted", "pallas"):
             raise ValueError("scheme 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
-                             "local_impl must be 'sorted'")
+                             "local_impl must be 'sorted' (XLA) or 'pallas' (the kernels)")
         C = None
         native = transport == "native" or (transport == "auto" and native_ragged(mesh))
         if native and not native_ragged(mesh):
@@ -519,7 +531,7 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
     pallas = block.impl == "sorted" and block.config.backend == "pallas"
-    tiles = block.experts.fp8_tiles() if pallas and scheme == "allgather" else None
+    tiles = block.experts.fp8_tiles() if pallas and scheme in ("allgather", "ragged") else None
     if tiles is not None:  # the kernels read this device's FP8 experts as stored: 1 byte a weight from HBM
         gate_up, down, *scales = tiles
         scales, act = tuple(scales), None
@@ -527,8 +539,9 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
         (gate_up, down), scales = block.experts.dequantized(x.dtype), None
         act = ACT_BLOCK if block.config.act_fp8 else None
     if scheme == "ragged":
-        y, _ = _ragged_body(x, weights, experts, gate_up, down, ex_axes=tuple(expert_axes), tp_axes=(),
-                            native=native, grouped_impl="auto", act_block=act)
+        y, _ = _ragged_body(x, weights, experts, gate_up, down, *(scales or ()), ex_axes=tuple(expert_axes),
+                            tp_axes=(), native=native, grouped_impl="pallas" if pallas and act is None else "auto",
+                            act_block=act, act_fp8=tiles is not None and block.config.act_fp8)
         return y
     if scheme != "allgather":
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")

@@ -176,9 +176,10 @@ class MeshExecution:
 
     def routed_fn(self):
         """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
-        # backend="pallas": the local experts run on the grouped matmul kernels (all-gather exchange, whole experts
+        # backend="pallas": the local experts run on the grouped matmul kernels (the exact exchanges, whole experts
         # per device), FP8 experts read as stored
-        kernels = self.moe_exchange == "allgather" and not mesh_axes_for("expert_mlp", self.mesh, self.rules)
+        kernels = (self.moe_exchange in ("allgather", "ragged")
+                   and not mesh_axes_for("expert_mlp", self.mesh, self.rules))
 
         def routed(block, x, weights, experts):
             common = dict(mesh=self.mesh, scheme=self.moe_exchange, capacity_factor=self.capacity_factor,
