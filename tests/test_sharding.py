@@ -174,11 +174,14 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "ragged"])
-def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch, exchange):
+@pytest.mark.parametrize("exchange,axes,tp", [("allgather", dict(expert=8), False), ("ragged", dict(expert=8), False),
+                                              ("allgather", dict(expert=4, model=2), True)],
+                         ids=["allgather", "ragged", "allgather-ep4-tp2"])
+def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch, exchange, axes, tp):
     """`MeshExecution` (a model placed by `shard_model`) with backend="pallas": the all-gather and the ragged
-    all-to-all exchanges run each device's experts on the grouped matmul + SwiGLU kernels (`grouped_swiglu`,
-    called while tracing), and the MoE's routed sum equals the dense sum on one device."""
+    all-to-all exchanges, and the EP x TP hybrid (each device an I/2 slice of its experts), run each device's
+    experts on the grouped matmul + SwiGLU kernels (`grouped_swiglu`, called while tracing), and the MoE's routed
+    sum equals the dense sum on one device."""
     from qwen35 import tiny
     from qwen35.kernels import grouped_matmul
 
@@ -190,11 +193,12 @@ def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypat
     x = jnp.asarray(rng.normal(size=(24, cfg.hidden_size)), jnp.float32)  # 3 tokens per device
     w, e, _ = route(x, block.gate.weight[...], cfg.num_experts_per_tok)
     with jax.default_matmul_precision("highest"):
-        got = S.MeshExecution(S.make_mesh(expert=8), moe_exchange=exchange).routed_fn()(block, x, w, e)
+        execution = S.MeshExecution(S.make_mesh(**axes), rules=TP if tp else S.LOGICAL_RULES, moe_exchange=exchange)
+        got = execution.routed_fn()(block, x, w, e)
         want = experts_dense(x, w, e, *block.experts.dequantized(jnp.float32))
     jax.effects_barrier()
-    assert calls, f"the mesh's MoE ({exchange}) did not run the kernels"
-    assert_close(got, want, terms=moe_terms(cfg), name=f"pallas model on expert=8 ({exchange}) vs dense")
+    assert calls, f"the mesh's MoE ({exchange}, {axes}) did not run the kernels"
+    assert_close(got, want, terms=moe_terms(cfg), name=f"pallas model on {axes} ({exchange}) vs dense")
 
 
 def test_a_pallas_model_on_cpu_devices_warns_when_the_interpreter_may_starve(monkeypatch):

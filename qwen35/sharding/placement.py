@@ -176,16 +176,17 @@ class MeshExecution:
 
     def routed_fn(self):
         """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
-        # backend="pallas": the local experts run on the grouped matmul kernels (the exact exchanges, whole experts
-        # per device), FP8 experts read as stored
-        kernels = (self.moe_exchange in ("allgather", "ragged")
-                   and not mesh_axes_for("expert_mlp", self.mesh, self.rules))
+        # backend="pallas": the local experts run on the grouped matmul kernels (the exact exchanges; with
+        # tensor-parallel experts on each device's I/m slice), FP8 experts read as stored where each device holds
+        # whole experts (a 128x128 scale block does not split over I/m)
+        kernels = self.moe_exchange in ("allgather", "ragged")
+        whole = not mesh_axes_for("expert_mlp", self.mesh, self.rules)
 
         def routed(block, x, weights, experts):
             common = dict(mesh=self.mesh, scheme=self.moe_exchange, capacity_factor=self.capacity_factor,
                           rules=self.rules, chunks=self.moe_chunks, gate_up_layout=self.gate_up_layout)
             pallas = kernels and block.impl == "sorted" and block.config.backend == "pallas"
-            tiles = block.experts.fp8_tiles() if pallas else None
+            tiles = block.experts.fp8_tiles() if pallas and whole else None
             if tiles is not None:
                 gate_up, down, gs, ds = tiles
                 return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas", gate_up_scale=gs,
