@@ -304,7 +304,7 @@ def rec_to_bits(rec: jax.Array, pool_dtype_bits) -> jax.Array:
 
 def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax.Array:
     """GDN layer j's recurrent states [R, Hv, Dk, Dv] float32 for rows with state blocks `blocks` [R, state_blocks]
-    (rows at `NO_BLOCK` read zeros), in one gather of that layer's recurrent units."""
+    (rows at `NO_BLOCK` read zeros), from that layer's recurrent units (`_units`)."""
     c, lay = config, layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
     rec = rec_from_bits(_units(lay, pool, which, ids, 0, lay.rec_elems))
@@ -313,7 +313,7 @@ def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax
 
 def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype) -> jax.Array:
     """GDN layer j's conv states [R, conv_dim, Kc] in conv_dtype for rows with state blocks `blocks` (rows at
-    `NO_BLOCK` read zeros), in one gather of that layer's conv units."""
+    `NO_BLOCK` read zeros), from that layer's conv units (`_units`)."""
     c, lay = config, layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
     conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems), pool)
@@ -323,13 +323,13 @@ def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_
 def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype):
     """GDN layer j's (conv [R, conv_dim, Kc] in conv_dtype, recurrent [R, Hv, Dk, Dv] float32) for rows with state
     blocks `blocks` [R, state_blocks] (rows at `NO_BLOCK` read zeros). Reads only that layer's units: the recurrent
-    and the conv units in a gather each (one gather feeding both would be computed twice, once per consumer)."""
+    and the conv units read apart (one gather feeding both would be computed twice, once per consumer)."""
     return read_conv(config, pool, j, blocks, conv_dtype), read_rec(config, pool, j, blocks)
 
 
 def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: jax.Array) -> jax.Array:
     """The pool with GDN layer j's recurrent states of rows `blocks` [R, state_blocks] replaced by rec [R, Hv, Dk,
-    Dv] (writes of rows at `NO_BLOCK` are dropped), in one scatter of that layer's recurrent units."""
+    Dv] (writes of rows at `NO_BLOCK` are dropped), into that layer's recurrent units (`_set_units`)."""
     lay = layout_of(config, pool)
     R = blocks.shape[0]
     which, ids = _state_units(lay, j, blocks)
@@ -338,7 +338,7 @@ def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: 
 
 def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
     """The pool with GDN layer j's conv states of rows `blocks` replaced by conv [R, conv_dim, Kc] (writes of rows
-    at `NO_BLOCK` are dropped), in one scatter of that layer's conv units."""
+    at `NO_BLOCK` are dropped), into that layer's conv units (`_set_units`)."""
     lay = layout_of(config, pool)
     which, ids = _state_units(lay, j, blocks)
     return _set_units(lay, pool, which, ids, lay.rec_units, to_pool(conv, pool).reshape(blocks.shape[0], -1))
