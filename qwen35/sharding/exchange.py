@@ -530,28 +530,35 @@ def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hi
         return block.routed(x, weights, experts)
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
-    pallas = block.impl == "sorted" and block.config.backend == "pallas"
-    tiles = block.experts.fp8_tiles() if pallas and scheme in ("allgather", "ragged") else None
-    if tiles is not None:  # the kernels read this device's FP8 experts as stored: 1 byte a weight from HBM
-        gate_up, down, *scales = tiles
-        scales, act = tuple(scales), None
-    else:
-        (gate_up, down), scales = block.experts.dequantized(x.dtype), None
-        act = ACT_BLOCK if block.config.act_fp8 else None
-    if scheme == "ragged":
-        y, _ = _ragged_body(x, weights, experts, gate_up, down, *(scales or ()), ex_axes=tuple(expert_axes),
-                            tp_axes=(), native=native, grouped_impl="pallas" if pallas and act is None else "auto",
-                            act_block=act, act_fp8=tiles is not None and block.config.act_fp8)
-        return y
-    if scheme != "allgather":
+    if scheme not in ("allgather", "ragged"):
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
-    impl = "dense" if block.impl == "dense" else "pallas" if pallas and act is None else "sorted"
+    pallas = block.impl == "sorted" and block.config.backend == "pallas"
+    gate_up, down, scales, act, kernels, act_fp8 = expert_operands(block, x.dtype, pallas)
+    if scheme == "ragged":
+        y, _ = _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes=tuple(expert_axes), tp_axes=(),
+                            native=native, grouped_impl="pallas" if kernels else "auto", act_block=act,
+                            act_fp8=act_fp8)
+        return y
+    impl = "dense" if block.impl == "dense" else "pallas" if kernels else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
                            ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
-                           chunks=1, act_block=act, scales=scales, act_fp8=tiles is not None and block.config.act_fp8)
+                           chunks=1, act_block=act, scales=scales or None, act_fp8=act_fp8)
     return y
 
 
+def expert_operands(block, dtype, pallas: bool, fp8_as_stored: bool = True):
+    """How a MoE block's local experts enter an exchange: (gate_up, down, scales, act_block, kernels, act_fp8).
+    On the kernels (`pallas`) FP8 experts are read as stored, with their block scales (gate_up's, down's) and, with
+    the config's `act_fp8`, FP8 x FP8 products; otherwise (or without `fp8_as_stored`: tensor-parallel experts,
+    whose I/m slices split the 128x128 scale blocks) they are dequantised to `dtype`, and W8A8 is the XLA paths'
+    activation rounding (`act_block`), which the kernels do not take (`kernels` False then)."""
+    tiles = block.experts.fp8_tiles() if pallas and fp8_as_stored else None
+    if tiles is not None:  # 1 byte a weight from HBM
+        gate_up, down, *scales = tiles
+        return gate_up, down, tuple(scales), None, True, bool(block.config.act_fp8)
+    gate_up, down = block.experts.dequantized(dtype)
+    act = ACT_BLOCK if block.config.act_fp8 else None
+    return gate_up, down, (), act, pallas and act is None, False
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from qwen35.config import ACT_BLOCK, Qwen35Config
-from qwen35.sharding.exchange import SCHEMES, moe_ep, tp_interleave_gate_up
+from qwen35.config import Qwen35Config
+from qwen35.sharding.exchange import SCHEMES, expert_operands, moe_ep, tp_interleave_gate_up
 from qwen35.sharding.mesh import (LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, _rules_dict, check_mesh,
                                   logical_to_spec, mesh_axes_for, param_logical_axes)
 
@@ -186,15 +186,10 @@ class MeshExecution:
             common = dict(mesh=self.mesh, scheme=self.moe_exchange, capacity_factor=self.capacity_factor,
                           rules=self.rules, chunks=self.moe_chunks, gate_up_layout=self.gate_up_layout)
             pallas = kernels and block.impl == "sorted" and block.config.backend == "pallas"
-            tiles = block.experts.fp8_tiles() if pallas and whole else None
-            if tiles is not None:
-                gate_up, down, gs, ds = tiles
-                return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas", gate_up_scale=gs,
-                              down_scale=ds, act_fp8=block.config.act_fp8, **common)
-            gate_up, down = block.experts.dequantized(x.dtype)
-            act = ACT_BLOCK if block.config.act_fp8 else None
-            return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas" if pallas and act is None else
-                          "sorted", act_block=act, **common)
+            gate_up, down, scales, act, on_kernels, act_fp8 = expert_operands(block, x.dtype, pallas, whole)
+            gs, ds = scales or (None, None)
+            return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas" if on_kernels else "sorted",
+                          act_block=act, gate_up_scale=gs, down_scale=ds, act_fp8=act_fp8, **common)
         return routed
 
     def init_cache(self, model, batch_size: int, max_len: int, dtype=None):
