@@ -95,6 +95,15 @@ def w8a8_config(**kw):
                        shared_expert_intermediate_size=64, act_fp8=True, **kw)
 
 
+def w8a8_block(backend, gq, gs, dq, ds):
+    """A W8A8 `SparseMoeBlock` on `backend` whose FP8 experts and block scales are the given ones."""
+    block = SparseMoeBlock(w8a8_config(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
+    for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
+                        ("down_proj_scale_inv", ds)):
+        getattr(block.experts, name).set_value(jnp.asarray(value))
+    return block
+
+
 @pytest.mark.timeout(300)
 def test_moe_block_w8a8_on_the_kernels_equals_xla():
     """`SparseMoeBlock` with `act_fp8`: backend "pallas" multiplies FP8 by FP8 in the kernels, backend "xla" rounds
@@ -104,10 +113,7 @@ def test_moe_block_w8a8_on_the_kernels_equals_xla():
     x = jnp.asarray(rng.standard_normal((1, 6, H)), jnp.float32)
     outs = {}
     for backend in ("xla", "pallas"):
-        block = SparseMoeBlock(w8a8_config(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
-        for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
-                            ("down_proj_scale_inv", ds)):
-            getattr(block.experts, name).set_value(jnp.asarray(value))
+        block = w8a8_block(backend, gq, gs, dq, ds)
         with jax.default_matmul_precision("highest"):
             outs[backend] = np.asarray(block(x)[0])
             w, e, _ = route(x[0], block.gate.weight[...], 2)
@@ -151,10 +157,7 @@ def test_the_engines_exchange_reads_fp8_experts_on_the_kernels(monkeypatch):
 
     rng = np.random.default_rng(7)
     (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=2)
-    block = SparseMoeBlock(w8a8_config(backend="pallas"), rngs=nnx.Rngs(0), fp8_experts=True)
-    for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
-                        ("down_proj_scale_inv", ds)):
-        getattr(block.experts, name).set_value(jnp.asarray(value))
+    block = w8a8_block("pallas", gq, gs, dq, ds)
     graph, state = nnx.split(block)
     paths, treedef = jax.tree_util.tree_flatten_with_path(state)
     specs = [P("expert") if "experts" in jax.tree_util.keystr(path) else P() for path, _ in paths]
