@@ -735,12 +735,13 @@ class MLP(nnx.Module):
 
 # Below this many multiply-adds for running *every* expert on every token (N·E·3·I·H), the sorted path's sort,
 # gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops. On a
-# 2-core CPU, the tiny preset's MoE (jitted, median of 30 calls): N = 64 tokens (3M MACs) 235 µs dense against
-# 492 µs sorted, N = 128 (6M) 389 against 487, N = 256 (12M) 580 against 568, N = 512 (24M) 660 against 898.
+# 2-core CPU, the tiny preset's MoE (jitted, medians of 200 calls, three rounds; µs dense against sorted): N = 32
+# tokens (1.5M MACs) 103-131 against 104-152, N = 48 (2.2M) 151-157 against 124-163, N = 64 (3M) 182-188 against
+# 135-162, N = 128 (6M) 263-284 against 205-225, N = 256 (12M) 494-523 against 251-267: the crossover is near 2M.
 # Decode-sized batches (N·k <= E) take `experts_gather` before this test: for the tiny preset at N = 1 it took
 # 36 µs against 97 µs dense, and for the `small` preset dense would read all 32 experts (26 ms against 0.6 ms).
 # Only toy configurations get here: the `small` preset's smallest batch past the gather bound (N = 9) is 113M MACs.
-DENSE_MAX_MACS = 16 * 2**20
+DENSE_MAX_MACS = 2 * 2**20
 
 
 class SparseMoeBlock(nnx.Module):
