@@ -342,6 +342,30 @@ def test_prefill_block_lengths(model):
         assert batch.gather_idx.shape[1] == Lb and batch.gather_valid.sum() == sum(lens)
 
 
+def test_mixed_step_runs_the_tokens_its_rows_and_block_can_hold(model, prompts, reference, reference_logits):
+    """A mixed step's tokens are at most Sb + Sp·Lb (every row that does not prefill has one token), fewer than the
+    next power of two when the prompt is long: 31 decoding sequences beside a 40-token prompt run 32 rows + a
+    64-token block = 96 tokens, not 128; the tokens are generate's."""
+    engine = Engine(model, max_num_seqs=32, max_num_batched_tokens=128, block_size=16, num_blocks=NUM_BLOCKS[16],
+                    max_model_len=MAX_LEN, min_batch_rows=32)
+    shapes = []
+    step_shape = engine.step_shape
+    engine.step_shape = lambda sched: shapes.append(step_shape(sched)) or shapes[-1]
+    rids = [engine.add_request(p, SamplingParams(max_tokens=MAX_NEW)) for p in prompts[:31]]
+    while any(r.num_computed < len(r.prompt) for r in engine.requests.values()):
+        engine.step()
+    assert all(len(engine.requests[i].output) < MAX_NEW for i in rids), "a sequence finished before the last prompt"
+    rids.append(engine.add_request(prompts[31], SamplingParams(max_tokens=MAX_NEW)))
+    engine.step()
+    assert (shapes[-1].Sb, shapes[-1].Sp, shapes[-1].Lb, shapes[-1].Tb) == (32, 1, 64, 96)
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine.requests[i] for i in rids]
+    for i, r in enumerate(outs):
+        assert_same_greedy(r.output, reference[i], reference_logits[i], TERMS, name=f"request {i}")
+    assert_all_free(engine)
+
+
 def test_layer_programs_compile_per_shape_of_what_they_read(model):
     """One program per layer runs each layer on only the batch fields it reads: a step whose page table is wider
     compiles the attention layers' program again but not the GDN layers' or the head's (they read no page table),

@@ -363,12 +363,14 @@ class Engine:
               the step (so a decode at context 100 reads 128 keys per row, not max_model_len's), rounded by
               `_page_width`; with `backend="pallas"` max_model_len's (the ragged paged attention kernel reads
               only each sequence's own pages, so one width means fewer programs to compile at no cost);
-          Tb  tokens: Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most the budget);
+          Tb  tokens: Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most the budget), or Sb + Sp·Lb when
+              that is fewer: without verify rows, a row that does not prefill has one token, so Sb + Sp·Lb holds
+              them all (it takes a power of two's place: no more shapes);
           Sp  prefill rows in 1, 4, 16, ... and Lb their block length in 16, 32, 64, 256, 1024, ... (`_block_len`);
           Pc  pages of each prefill chunk's context (its tokens before this step), bucketed like P; none in the
               common case of prompts prefilled in one step, whose attention then reads only the chunk's own K/V.
         Padding costs: every padded token runs through every layer, so a step that adds one short prompt to the
-        decodes (the common mixed step) stays at Tb <= 2 Sb and Sp = 1."""
+        decodes (the common mixed step) stays at Tb <= Sb + Lb and Sp = 1."""
         bs = self.block_size
         q_lens = [n for _, n in sched]
         Sb = min(_pow2(len(sched), max(self.min_batch_rows, MIN_ROWS)), self.seq_bucket)
@@ -387,6 +389,8 @@ class Engine:
         Sp = min(_pow4(len(pf), 1), Sb)
         Lb = min(_block_len(max(q_lens[s] for s in pf)), self.token_bucket)
         Tb = min(_pow2(sum(q_lens), Sb), self.token_bucket)
+        if not nv:  # one 50-token prompt beside 15 decodes: 80 tokens, not 128 (a padded token costs every layer)
+            Tb = min(Tb, Sb + Sp * Lb)
         ctx = max(-(-sched[s][0].num_computed // bs) for s in pf)
         Pc = min(_page_width(ctx), P) if ctx else 0
         return StepShape(Sb, P, Tb, Sp, Lb, self._whole_table(Pc, Lb, P), Sv)
