@@ -26,10 +26,8 @@ says so). Results: a table on stdout and JSON under `qwen35.utils.results_dir()`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 if __name__ == "__main__":  # fake 8 CPU devices for the reduce-scatter case when run directly (before jax starts)
@@ -39,7 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.bench import log, machine_info, save_json, timeit
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared `Case` and the GDN cases beside this file
+from kernel_case import Case  # noqa: E402
+
+from qwen35.bench import log, machine_info, save_json
 from qwen35.roofline import device_roofline
 from qwen35.kernels.grouped_matmul import gmm_cost, grouped_swiglu, grouped_swiglu_reference
 from qwen35.kernels.permute import permute, permute_reference, unpermute, unpermute_reference
@@ -47,55 +48,6 @@ from qwen35.kernels.ragged_paged_attention import (ragged_paged_attention, ragge
                                                    rpa_cost)
 
 __all__ = ["Case", "CASES", "all_cases", "run_cases", "main"]
-
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One benchmark: `build()` returns (kernel_fn, reference_fn, args, flops, bytes); both functions jitted."""
-
-    name: str
-    kernel: str                 # "ragged_paged_attention" | "grouped_swiglu" | "permute" | "unpermute"
-    size: str                   # "realistic" (accelerators) | "correctness" (CPU)
-    build: Callable[[], tuple[Callable, Callable, tuple, float, float]]
-    tol: float = 2e-2
-
-    def applies(self, backend: str | None = None, n_devices: int | None = None) -> tuple[bool, str]:
-        backend = backend or jax.default_backend()
-        if self.size == "realistic" and backend == "cpu":
-            return False, "realistic sizes run on an accelerator; on CPU only the correctness sizes run"
-        if self.size == "correctness" and backend != "cpu":
-            return False, "correctness size: for CPU runs"
-        return True, ""
-
-    def run(self, repeats: int = 5) -> dict[str, Any]:
-        kernel_fn, ref_fn, args, flops, nbytes = self.build()
-        backend = jax.default_backend()
-        row: dict[str, Any] = {"name": self.name, "kernel": self.kernel, "size": self.size, "flops": flops,
-                               "bytes": nbytes}
-        ref = jax.block_until_ready(ref_fn(*args))
-        row["reference_s"] = timeit(lambda: ref_fn(*args), repeats=repeats)["median"]
-        if backend not in ("tpu", "cpu"):
-            row["kernel_s"] = None
-            row["note"] = "Mosaic-TPU kernel: does not compile for this backend; reference timed only"
-        else:
-            out = jax.block_until_ready(kernel_fn(*args))
-            row["max_abs_err"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-            if not row["max_abs_err"] <= self.tol:
-                raise AssertionError(f"{self.name}: kernel and reference differ by {row['max_abs_err']:.3g}")
-            row["kernel_s"] = timeit(lambda: kernel_fn(*args), repeats=repeats)["median"]
-            row["note"] = "TPU interpret mode on CPU: a simulator, not kernel speed" if backend == "cpu" else ""
-        peak_f, peak_b, source = device_roofline()
-        row["roofline_source"] = source
-        t = row["kernel_s"] if row["kernel_s"] is not None else row["reference_s"]
-        row["speedup_vs_reference"] = None if row["kernel_s"] is None else row["reference_s"] / row["kernel_s"]
-        row["achieved_flops"] = flops / t
-        row["achieved_bytes_per_s"] = nbytes / t
-        row["roofline_fraction"] = max(flops / peak_f, nbytes / peak_b) / t
-        row["bound"] = "compute" if flops / peak_f > nbytes / peak_b else "memory"
-        return row
 
 
 # ------------------------------------------------------------------------------------------------------------

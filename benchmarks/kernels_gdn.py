@@ -25,10 +25,8 @@ Where it runs what:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 if __name__ == "__main__":  # fake 8 CPU devices for the collective when run directly (before jax starts)
@@ -38,72 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.bench import log, machine_info, save_json, timeit
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared `Case` beside this file
+from kernel_case import Case  # noqa: E402
+
+from qwen35.bench import log, machine_info, save_json
 from qwen35.roofline import device_roofline
 from qwen35.gdn import chunk_gated_delta_rule, gdn_flops
 
 __all__ = ["Case", "CASES", "run_cases", "main"]
-
-
-
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One benchmark: `build()` returns (kernel_fn or None, reference_fn, args, flops, bytes)."""
-
-    name: str
-    kernel: str  # "chunked_gdn" | "fused_gdn_decode" | "paged_gdn_decode" | "reduce_scatter"
-    size: str  # "realistic" (accelerators) | "correctness" (CPU)
-    build: Callable[[], tuple[Callable | None, Callable, tuple, float, float]]
-    min_devices: int = 1
-    tol: float = 2e-2  # agreement required between kernel and reference: max |Δ| / max |ref| over each output
-
-    def applies(self, backend: str | None = None, n_devices: int | None = None) -> tuple[bool, str]:
-        backend = backend or jax.default_backend()
-        n_devices = jax.device_count() if n_devices is None else n_devices
-        if n_devices < self.min_devices:
-            return False, f"needs {self.min_devices} devices, have {n_devices}"
-        if self.size == "realistic" and backend == "cpu":
-            return False, "realistic sizes run on an accelerator; on CPU only the correctness sizes run"
-        if self.size == "correctness" and backend != "cpu":
-            return False, "correctness size: for CPU runs"
-        return True, ""
-
-    def run(self, repeats: int = 5) -> dict[str, Any]:
-        kernel_fn, ref_fn, args, flops, nbytes = self.build()
-        backend = jax.default_backend()
-        row: dict[str, Any] = {"name": self.name, "kernel": self.kernel, "size": self.size, "flops": flops,
-                               "bytes": nbytes}
-        t_ref = timeit(lambda: ref_fn(*args), repeats=repeats)["median"]
-        row["reference_s"] = t_ref
-        if kernel_fn is None:
-            row["kernel_s"] = None
-            row["note"] = "Mosaic-TPU kernel: does not compile for this backend; reference timed only"
-        else:
-            row["kernel_s"] = timeit(lambda: kernel_fn(*args), repeats=repeats)["median"]
-            row["note"] = ("TPU interpret mode on CPU: a simulator, not kernel speed" if backend == "cpu" else "")
-            row["max_rel_err"] = _max_rel_err(kernel_fn(*args), ref_fn(*args))
-            if not row["max_rel_err"] <= self.tol:
-                raise AssertionError(f"{self.name}: kernel and reference disagree (max |Δ| / max |ref| = "
-                                     f"{row['max_rel_err']:.2e} > {self.tol})")
-        peak_f, peak_b, source = device_roofline()
-        row["roofline_source"] = source
-        t = row["kernel_s"] if row["kernel_s"] is not None else t_ref
-        row["speedup_vs_reference"] = None if row["kernel_s"] is None else t_ref / row["kernel_s"]
-        row["achieved_flops"] = flops / t
-        row["achieved_bytes_per_s"] = nbytes / t
-        # The roofline time is the larger of compute and memory time; the fraction says how close we are to it.
-        row["roofline_fraction"] = max(flops / peak_f, nbytes / peak_b) / t
-        row["bound"] = "compute" if flops / peak_f > nbytes / peak_b else "memory"
-        return row
-
-
-def _max_rel_err(out, ref) -> float:
-    errs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
-                  max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))), 1e-30))
-            for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True)]
-    return max(errs)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -203,7 +143,7 @@ def _paged_case(B, page_size, pool_dtype, cfg_fn):
         fresh = jnp.zeros((B,), bool)
 
         def in_place(step):  # the pool lives in the closure, donated to every call (as the engine's step does)
-            jitted = jax.jit(lambda pool, *a: step(*a, pool, blocks, fresh, jnp.int32(0), cfg), donate_argnums=0)
+            jitted = jax.jit(lambda pool, *a: step(*a, pool, blocks, fresh, jnp.int32(0), lay), donate_argnums=0)
             box = {"pool": jnp.array(pool, copy=True)}
 
             def run(*a):

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.gdn import causal_conv1d_update, gated_delta_rule_step
+from qwen35.kernels.delta_rule import causal_conv1d_update, gated_delta_rule_step
 from qwen35.kernels.interpret import default_interpret
 
 __all__ = ["fused_gdn_decode_reference", "fused_gdn_decode", "check_decode_inputs"]
@@ -83,7 +83,7 @@ def check_decode_inputs(x_qkv, a, b, conv_state, state, conv_w, A_log, dt_bias, 
 def fused_gdn_decode_reference(x_qkv, a, b, conv_state, state, conv_w, A_log, dt_bias, *, num_k_heads, head_k_dim,
                                head_v_dim, scale=None):
     """What `GatedDeltaNet.__call__` does for one decode token between its projections and its gated norm, built
-    from `qwen35.gdn.causal_conv1d_update` and `gated_delta_rule_step`. The new state comes back in the dtype of
+    from `delta_rule.causal_conv1d_update` and `gated_delta_rule_step`. The new state comes back in the dtype of
     the state given (the step itself runs in float32)."""
     check_decode_inputs(x_qkv, a, b, conv_state, state, conv_w, A_log, dt_bias, num_k_heads=num_k_heads,
                         head_k_dim=head_k_dim, head_v_dim=head_v_dim)

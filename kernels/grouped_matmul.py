@@ -38,14 +38,49 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.config import ACT_BLOCK, FP8_BLOCK
+from qwen35.kernels.fp8 import (ACT_BLOCK, FP8_BLOCK, dequantize_fp8_activations, fp8_dequantize,
+                                fp8_round_activations, quantize_fp8_activations)
 from qwen35.kernels.interpret import default_interpret
-from qwen35.moe import (_check_routed, dequantize_fp8_activations, fp8_dequantize, fp8_round_activations,
-                        quantize_fp8_activations, sort_by_expert)
+from qwen35.kernels.permute import permute, sort_by_expert, unpermute
 
-__all__ = ["grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
+__all__ = ["check_routed", "check_expert_weights", "grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
            "group_metadata", "gmm_cost", "expand_fp8_scales", "quantize_fp8_activations",
            "dequantize_fp8_activations", "expand_act_scales", "grouped_swiglu_w8a8_reference", "ACT_BLOCK"]
+
+
+def _shape_of(x) -> tuple:
+    return tuple(x.shape)
+
+
+def check_expert_weights(gate_up, down, H: int | None = None):
+    """gate_up [E, 2I, H] and down [E, H, I] agree (and with x's H if given). Returns (E, I)."""
+    if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [E, 2I, H] (rows: gate then up), got shape {_shape_of(gate_up)}")
+    E, I2, Hw = gate_up.shape
+    if H is not None and Hw != H:
+        raise ValueError(f"gate_up {_shape_of(gate_up)} has hidden size {Hw} but x has {H}")
+    if _shape_of(down) != (E, Hw, I2 // 2):
+        raise ValueError(f"down must be [E, H, I] = {(E, Hw, I2 // 2)} to match gate_up {_shape_of(gate_up)}, "
+                         f"got {_shape_of(down)}")
+    return E, I2 // 2
+
+
+def check_routed(x, weights, experts, gate_up, down):
+    """Shape checks of a routed MoE call (x [N, H], weights and experts [N, k], gate_up [E, 2I, H], down [E, H, I]):
+    errors name the tensor and the expected shape. Returns (N, H, E, k)."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [N, H] (flatten batch and time first), got shape {_shape_of(x)}")
+    N, H = x.shape
+    E, _ = check_expert_weights(gate_up, down, H)
+    if weights.ndim != 2 or weights.shape[0] != N:
+        raise ValueError(f"weights must be [N, k] with N = {N} (x's tokens), got shape {_shape_of(weights)}")
+    if _shape_of(experts) != _shape_of(weights):
+        raise ValueError(f"experts {_shape_of(experts)} and weights {_shape_of(weights)} must both be [N, k]")
+    if not jnp.issubdtype(experts.dtype, jnp.integer):
+        raise ValueError(f"experts must hold integer expert ids, got dtype {experts.dtype}")
+    if weights.shape[1] > E:
+        raise ValueError(f"k = {weights.shape[1]} experts per token cannot exceed E = {E} experts")
+    return N, H, E, weights.shape[1]
 
 
 def _check(x_sorted, group_sizes, gate_up, down):
@@ -395,10 +430,8 @@ def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, 
     `grouped_swiglu`), weighted
     unpermute (gather-combine kernel). x [N, H], weights [N, k], experts [N, k] -> [N, H] in x's dtype. The
     model's MoE uses it when `config.backend == "pallas"`."""
-    from qwen35.kernels.permute import permute, unpermute
-
     x, weights, experts = jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts)
-    _check_routed(x, weights, experts, gate_up, down)
+    check_routed(x, weights, experts, gate_up, down)
     N, k = experts.shape
     order, group_sizes = sort_by_expert(experts, gate_up.shape[0])
     x_sorted = permute(x, order, k, block_rows=block_rows, interpret=interpret)

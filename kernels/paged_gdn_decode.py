@@ -2,7 +2,7 @@
 written in place where it lives in the serving engine's block pool (found by the row's state block ids), in one
 Pallas TPU kernel, beside its pure-JAX reference.
 
-Why by index: the engine keeps every sequence's GDN states in its pool of blocks (`qwen35.serving.cache`), a
+Why by index: the engine keeps every sequence's GDN states in its pool of blocks (`state_pool`), a
 state spread over whole blocks that need not be adjacent. The dense decode kernel (`fused_gdn_decode`) takes
 states [B, Hv, Dk, Dv]; feeding it from the pool means a gather before and a scatter after, which move the state
 twice more than the kernel's own read and write (3× the bytes of the step that decode is bound by). Here the
@@ -13,7 +13,7 @@ Inputs (B rows, one token each):
   q, k     [B, Hv, Dk]      L2-normalised (float32), repeated to the value heads (as `GatedDeltaNet.heads` gives)
   v        [B, Hv, Dv]
   g, beta  [B, Hv]          log-decay and write strength
-  pool     [2A, NB, unit]   the engine's pool (uint32 for a float32 cache, uint16 for bf16: see `cache.py`)
+  pool     [2A, NB, unit]   the engine's pool (uint32 for a float32 cache, uint16 for bf16: see `state_pool`)
   blocks   [B, state_blocks] int32   each row's state blocks; a padding row at NO_BLOCK is neither read nor written
   fresh    [B] bool          rows whose state starts from zero (a sequence's first step): not read
   layer    int32 scalar      which GDN layer's units (traced: one program serves every layer)
@@ -22,7 +22,7 @@ Returns (o [B, Hv, Dv] float32, the pool with the rows' layer states replaced).
 Where a state lives: GDN layer j's recurrent state is units u = j·(rec + conv units) + 0 .. rec_units − 1 of
 the row's state, unit u at pool[u mod 2A, blocks[u div 2A]]; its float32 values [Hv, Dk, Dv] are stored as one
 plane of bits in a 32-bit pool and as two planes (high 16 bits, then low 16 bits) in a 16-bit pool, so VMEM
-rebuilds each float32 with a shift and an or on same-shaped tiles (`cache.join_halves`). The kernel views a unit
+rebuilds each float32 with a shift and an or on same-shaped tiles (`state_pool.join_halves`). The kernel views a unit
 as rows of 128 lanes [unit/128, 128]: with Dv = 128 (Qwen3.5) a state row is one VMEM row and the planes are plain
 row ranges.
 
@@ -48,22 +48,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from qwen35.gdn import gated_delta_rule_step
+from qwen35.kernels.delta_rule import gated_delta_rule_step
 from qwen35.kernels.interpret import default_interpret
-from qwen35.serving.cache import PoolLayout, join_halves, layout_of, read_rec, split_halves, write_rec
+from qwen35.kernels.state_pool import PoolLayout, join_halves, read_recurrent, split_halves, write_recurrent
 
 __all__ = ["paged_gdn_decode", "paged_gdn_decode_reference", "supports_paged_decode"]
 
 LANES = 128
 
 
-def supports_paged_decode(lay: PoolLayout, config) -> bool:
-    """Whether the kernel's row view fits this pool: a unit and a layer's recurrent state are whole rows of 128
-    lanes (true for Qwen3.5's shapes and the presets; otherwise the engine gathers the states for the dense
-    kernel)."""
-    c = config
-    return lay.unit % LANES == 0 and (c.linear_num_value_heads * c.linear_key_head_dim
-                                      * c.linear_value_head_dim) % LANES == 0
+def supports_paged_decode(lay: PoolLayout) -> bool:
+    """Whether the kernel's row view fits this pool: a unit and one plane of a layer's recurrent state (Hv·Dk·Dv
+    values) are whole rows of 128 lanes (true for Qwen3.5's shapes and the presets; otherwise the engine gathers
+    the states for the dense kernel)."""
+    return lay.unit % LANES == 0 and (lay.rec_elems // lay.planes) % LANES == 0
 
 
 def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
@@ -79,17 +77,21 @@ def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
         raise ValueError(f"blocks must be [B, state_blocks] = {(B, lay.state_blocks)}, got {tuple(blocks.shape)}")
     if tuple(fresh.shape) != (B,):
         raise ValueError(f"fresh must be [B] = ({B},), got {tuple(fresh.shape)}")
-    if lay.rec_elems != Hv * Dk * v.shape[-1] * (4 // pool.dtype.itemsize):
+    if lay.planes != 4 // pool.dtype.itemsize:
+        raise ValueError(f"the layout has {lay.planes} plane(s) of 16 bits per float32 but the pool holds "
+                         f"{pool.dtype}: take the layout of this pool")
+    if lay.rec_elems != Hv * Dk * v.shape[-1] * lay.planes:
         raise ValueError(f"the layout's recurrent state ({lay.rec_elems} pool elements) does not match Hv·Dk·Dv = "
                          f"{Hv}·{Dk}·{v.shape[-1]} float32")
 
 
-def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, config, *, scale=None):
-    """The same step in pure JAX: `cache.read_rec` (a gather), `qwen35.gdn.gated_delta_rule_step`,
-    `cache.write_rec` (a scatter)."""
-    S = jnp.where(fresh[:, None, None, None], 0.0, read_rec(config, pool, layer, blocks))
+def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, lay: PoolLayout, *, scale=None):
+    """The same step in pure JAX: `state_pool.read_recurrent` (a gather), `delta_rule.gated_delta_rule_step`,
+    `state_pool.write_recurrent` (a scatter)."""
+    S = read_recurrent(lay, pool, layer, blocks).reshape(*q.shape, v.shape[-1])
+    S = jnp.where(fresh[:, None, None, None], 0.0, S)
     o, S = gated_delta_rule_step(q, k, v, g, beta, S, scale=scale)
-    return o.astype(jnp.float32), write_rec(config, pool, layer, blocks, S)
+    return o.astype(jnp.float32), write_recurrent(lay, pool, layer, blocks, S)
 
 
 def _paged_gdn_decode_kernel(blocks_ref, fresh_ref, layer_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out, bufs,
@@ -209,17 +211,16 @@ def _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, *, lay, scal
     return o, pool4.reshape(U, NB, unit)
 
 
-def paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, config, *, scale=None, interpret=None):
+def paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, lay: PoolLayout, *, scale=None, interpret=None):
     """One decode token for each of B rows through a GDN layer's recurrent rule, each row's state read from and
-    written to the serving pool by its state block ids (see the module docstring). `config`: the model's config
-    (the pool's geometry comes from it and the pool's shape). `interpret`: None picks Mosaic on a TPU and TPU
-    interpret mode elsewhere. The pool is donated under jit: use the returned one."""
+    written to the serving pool by its state block ids (see the module docstring). `lay`: the pool's geometry in
+    plain sizes (`qwen35.serving.cache.layout_of(config, pool)` gives it). `interpret`: None picks Mosaic on a TPU
+    and TPU interpret mode elsewhere. The pool is donated under jit: use the returned one."""
     if pool.ndim != 3 or pool.dtype not in (jnp.uint16, jnp.uint32):
         raise ValueError(f"pool must be the engine's [2A, num_blocks, unit] pool of uint16/uint32 bits, got "
                          f"{tuple(pool.shape)} {pool.dtype}")
-    lay = layout_of(config, pool)
     _check(q, k, v, g, beta, pool, blocks, fresh, lay)
-    if not supports_paged_decode(lay, config):
+    if not supports_paged_decode(lay):
         raise ValueError(f"the pool's unit ({lay.unit} elements) and a layer's state (Hv·Dk·Dv) must be whole rows of "
                          f"{LANES} lanes for the paged kernel; use the gather + `fused_gdn_decode` path instead")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)

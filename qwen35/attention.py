@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35.config import Qwen35Config
+from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
 from qwen35.layers import Linear, RMSNorm
 
 __all__ = [
@@ -182,11 +183,10 @@ def reference_attention(q, k, v, *, causal_offset: int | jax.Array = 0, kv_len: 
     return jnp.einsum("bhts,bshd->bthd", p, v).astype(q.dtype)
 
 
-# Queries per block of `gqa_attention` (at least; see `_query_block`). Measured on a 2-core CPU for the `small`
-# preset's prefill (B=4, T=512, 8 q / 2 kv heads, Dh 64, fp32), with the [B, Hkv, G, t, S] score layout used until
-# 2026-12: one block 100–105 ms, blocks of 64 or 128 queries 25–36 ms, of 256 64–72 ms. Small blocks keep the
-# scores in cache and, for causal self-attention, skip the keys after the block's last query: about half the score
-# and value FLOPs. With the current [B, Hkv, t·G, S] layout (below) blocks of 32, 64 and 128 all took 13–18 ms.
+# Queries per block of `gqa_attention` (at least; see `_query_block`). Small blocks keep the scores in cache and,
+# for causal self-attention, skip the keys after the block's last query: about half the score and value FLOPs.
+# On CPU blocks of 32 to 128 queries time alike for the `small` preset's prefill (`python benchmarks/vs_transformers.py`
+# times the model's prefill).
 ATTN_BLOCK_Q = 128
 _MAX_QUERY_BLOCKS = 32  # longer inputs get bigger blocks, so the unrolled loop stays short to compile
 
@@ -225,8 +225,8 @@ def gqa_attention(q, k, v, *, q_positions: jax.Array | None = None, kv_len: int 
 
     Layout: q is transposed once to [B, Hkv, T·G, Dh] (the G query heads that share a kv head, and their queries,
     as the rows of one matrix) and k, v to [B, Hkv, S, Dh], so each block's scores and values are plain batched
-    matmuls with no per-block transposes. On a 2-core CPU this took the `small` preset's prefill attention
-    (B=4, T=512) from 24–27 ms to 13–15 ms against [B, Hkv, G, t, S] scores from the untransposed inputs.
+    matmuls with no per-block transposes (about half the time, on CPU, of [B, Hkv, G, t, S] scores built from the
+    untransposed inputs).
 
     The queries go in blocks of `block_q` (default `ATTN_BLOCK_Q`, more for very long inputs), each a plain
     softmax over its keys: the same result as one block, with [B, Hkv, block_q·G, S] scores instead of
@@ -263,8 +263,6 @@ def _pallas_attention(q, k, v, *, q_positions: jax.Array | None, kv_len: int | j
     K/V is a paged cache with a trivial page table (sequence b owns pages b·P .. b·P + P − 1), the queries are
     packed [B·T, Hq, Dh] with cu_q_lens = T·arange(B + 1), and every sequence holds kv_len tokens. The queries are
     the last T of them (q_positions = kv_len − T + arange(T), as the model always calls it)."""
-    from qwen35.kernels.ragged_paged_attention import ragged_paged_attention  # kernels import this module
-
     del q_positions  # implied by kv_len: the kernel places the T queries at kv_len - T .. kv_len - 1
     B, T, Hq, Dh = q.shape
     S, Hkv = k.shape[1], k.shape[2]

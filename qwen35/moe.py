@@ -31,33 +31,17 @@ grouped-matmul kernel replaces. It has two methods:
 `experts_sorted` with "tiles" runs the same schedule with the gather and the weighted scatter-add inside each
 tile (`_sorted_tiles_fused`), so no [M, H] sorted copy of the tokens or [M, H] expert output is made; the routing
 weights scale each tile's SwiGLU activations.
-The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). `benchmarks/moe.py` at
-N=4096, H=512, E=32, k=4, I=256 (jitted, fp32, a shared 2-core CPU, two runs): the sorted path with tiles took
-0.8–1.1 s against 6.0–6.4 s for the dense baseline (5–8x faster, the FLOP ratio being E/k = 8); capacity 1.25 took
-1.2 s; the grouped matmul alone was 16–28x faster with tiles than with ragged_dot, which (13–28 s) was even slower
-than the dense path doing 8x the FLOPs — CPU XLA lowers ragged_dot to slow loops. Tiles run at the dense path's
-GFLOP/s, so on CPU the sorted path gets its full FLOP advantage less the gather/scatter and padding cost. (Those
-figures predate the remainder tiles. Padding every group to whole 128-row tiles instead wasted a quarter of the
-expert FLOPs of the `small` preset's 4 x 512 prefill: its whole prefill took 0.91x the time with remainder tiles of
-64 rows, as many as each group needed; one process, interleaved, same logits. One remainder tile per group, sized to
-fit, with 256-row full tiles, then took 0.90-1.01x the time of that (median 0.96x): see `remainder_tiles`.)
+The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). On CPU the sorted
+path with tiles gets most of its E/k FLOP advantage over the dense baseline (tiles run at the dense path's GFLOP/s;
+what is lost is the gather, the scatter-add and the padding of each group's last tile), and `ragged_dot`, which
+XLA:CPU lowers to slow loops, is slower than the dense path: `python benchmarks/moe.py` times the three paths and
+both grouped matmuls side by side.
 
-Decode (`experts_gather`, N·k <= E): one matrix-vector pair per slot, slicing that slot's expert, written out
-per slot up to `GATHER_UNROLL_MAX` slots so XLA runs them concurrently (0.83-0.87x the decode step of a
-`lax.scan` over the slots at B = 4 and 8), a `lax.scan` beyond. On the `small`
-preset's shapes (N=4, k=4, E=32, H=512, I=256, fp32, 8 layers, jitted, a shared 2-core CPU) it took 4–5 ms per
-layer against 8–15 ms for gathering all 16 experts' weights into fresh [M, 2I, H] / [M, H, I] buffers, and about
-the time of one read of all 32 experts' weights; deduplicating the experts (a loop over the distinct ones, each
-on all N tokens) and `fori_loop` variants measured the same or slower. How each slot's two products are written
-matters on CPU: as vector @ matrix.T, XLA fuses the expert slice, the transpose and the product into one loop
-fusion reading the weights in place; as matrix @ vector it copied the expert's weights out, then ran a dot
-(in a scan harness of 8 layers with their own weights: 1.0 against 1.6 ms per layer at N = 4; in `generate` on
-the `small` preset, 0.92x the decode step time, one process, same tokens). Each product runs at about 25-34 GB/s
-of weights read, near this host's memory bandwidth, but it is not memory-bound: with every slot on the same 4
-experts (cache-resident) a layer took the same 1.1 ms as with 13 distinct ones, and ordering the slots by expert
-(so repeats hit the cache) changed nothing. For the prefill tiles (when every
-group was padded to whole tiles), tiles of 256 or 512 rows were slower than 128 (more padding), 64 no better,
-and a transposed [E, H, 2I] weight copy no faster.
+Decode (`experts_gather`, N·k <= E): one matrix-vector pair per slot, slicing that slot's expert, written out per
+slot up to `GATHER_UNROLL_MAX` slots so XLA runs them concurrently, a `lax.scan` beyond. Reading only the routed
+experts' weights in place beats gathering them into fresh [M, 2I, H] / [M, H, I] buffers; each product is written
+as vector @ matrix.T, which XLA:CPU fuses with the expert slice into one loop reading the weights in place (as
+matrix @ vector it copies the expert's weights out first).
 """
 
 from __future__ import annotations
@@ -71,7 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qwen35.config import ACT_BLOCK, FP8_BLOCK, Qwen35Config
+from qwen35.config import Qwen35Config
+from qwen35.kernels.fp8 import (ACT_BLOCK, E4M3_MAX, FP8_BLOCK, dequantize_fp8_activations, fp8_dequantize,
+                                fp8_round_activations, quantize_fp8_activations)
+from qwen35.kernels.grouped_matmul import check_expert_weights, check_routed, experts_sorted_pallas
+from qwen35.kernels.permute import rank_in_expert, sort_by_expert
 from qwen35.layers import DEFAULT_INIT_STD, Linear, init_normal
 
 __all__ = [
@@ -115,34 +103,6 @@ def _shape(x) -> tuple:
 
 def _arrays(*xs):
     return tuple(jnp.asarray(x) for x in xs)
-
-
-def _check_weights(gate_up, down, H: int | None = None):
-    if gate_up.ndim != 3 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [E, 2I, H] (rows: gate then up), got shape {_shape(gate_up)}")
-    E, I2, Hw = gate_up.shape
-    if H is not None and Hw != H:
-        raise ValueError(f"gate_up {_shape(gate_up)} has hidden size {Hw} but x has {H}")
-    if _shape(down) != (E, Hw, I2 // 2):
-        raise ValueError(f"down must be [E, H, I] = {(E, Hw, I2 // 2)} to match gate_up {_shape(gate_up)}, "
-                         f"got {_shape(down)}")
-    return E, I2 // 2
-
-
-def _check_routed(x, weights, experts, gate_up, down):
-    if x.ndim != 2:
-        raise ValueError(f"x must be [N, H] (flatten batch and time first), got shape {_shape(x)}")
-    N, H = x.shape
-    E, _ = _check_weights(gate_up, down, H)
-    if weights.ndim != 2 or weights.shape[0] != N:
-        raise ValueError(f"weights must be [N, k] with N = {N} (x's tokens), got shape {_shape(weights)}")
-    if _shape(experts) != _shape(weights):
-        raise ValueError(f"experts {_shape(experts)} and weights {_shape(weights)} must both be [N, k]")
-    if not jnp.issubdtype(experts.dtype, jnp.integer):
-        raise ValueError(f"experts must hold integer expert ids, got dtype {experts.dtype}")
-    if weights.shape[1] > E:
-        raise ValueError(f"k = {weights.shape[1]} experts per token cannot exceed E = {E} experts")
-    return N, H, E, weights.shape[1]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -198,7 +158,7 @@ def experts_dense(x, weights, experts, gate_up, down, *, act_block: int | None =
     paths all take it; see `fp8_round_activations`).
     """
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
-    N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
+    N, H, E, k = check_routed(x, weights, experts, gate_up, down)
     dtype = x.dtype
     combine = jnp.einsum("nk,nke->ne", weights.astype(jnp.float32), jax.nn.one_hot(experts, E, dtype=jnp.float32))
     h = jnp.einsum("nh,eih->nei", _round_input(x, act_block), gate_up.astype(dtype))  # [N, E, 2I]
@@ -208,27 +168,6 @@ def experts_dense(x, weights, experts, gate_up, down, *, act_block: int | None =
 
 # ------------------------------------------------------------------------------------------------------------
 # Path 2: sort + grouped matmul
-@functools.partial(jax.jit, static_argnames="num_experts")
-def sort_by_expert(experts: jax.Array, num_experts: int):
-    """Sort the M = N·k (token, slot) pairs by expert id (stable, so token order inside each group).
-
-    Returns (order [M] — flat slot index n·k + j of each sorted row, group_sizes [E] int32).
-
-    When (E + 1)·M fits in int32, this sorts ONE int32 key per slot, expert·M + slot: the keys are distinct and
-    ordered by expert, then by slot, so the sorted keys mod M are the stable order. XLA's CPU sort of a single
-    array is several times faster than the comparator sort behind a stable `argsort` (which sorts (key, index)
-    pairs): 0.28 against 1.30 ms for the 8,192 slots of the `small` preset's 4 x 512 prefill (E = 32), ~10 ms of
-    its 8 layers. Larger M·E falls back to `argsort`."""
-    flat = experts.reshape(-1).astype(jnp.int32)
-    M = flat.shape[0]
-    if (num_experts + 1) * M < 2**31:
-        order = jnp.sort(flat * M + jnp.arange(M, dtype=jnp.int32)) % M
-    else:
-        order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order.astype(jnp.int32), group_sizes
-
-
 def _default_impl() -> str:
     """ragged_dot on TPU, where XLA runs it as a grouped matmul; tiles elsewhere. XLA:CPU lowers ragged_dot to slow
     loops, and XLA:GPU (jax 0.11, H200) to one dense product over every expert's block of H: a [M, E·H] operand
@@ -250,14 +189,8 @@ def tile_rows(M: int, E: int, tile: int = DEFAULT_TILE) -> int:
 
     A group's rows past its whole tiles run in one smaller tile (`remainder_tiles`), so a tile much larger than a
     group mostly multiplies rows that are not its own (and still reads the expert's weights once per tile); much
-    smaller tiles run more, less efficient matmuls. Measured with tm/2-row remainder tiles (`small` preset's experts,
-    E=32, H=512, I=256, uniform random routing, fp32, 2-core CPU, jitted, best of 4 interleaved rounds, ms), at
-    M = 512 / 1,024 / 2,048 / 4,096 / 8,192 rows: half the average (the rule until 2026-12) 11.0 / 13.7 / 19.5 /
-    28.1 / 53.7, the average 8.4 / 13.0 / 16.8 / 27.5 / 55.4 (the same tile, 128, at 8,192: noise); with one
-    remainder tile per group sized to fit, 256 rows at M = 8,192 (the default `tile` was 128 until then). Earlier, when
-    every group was padded to whole tiles: by average rows per expert, 2 rows: tile 8 7.9, 128 21.7; 8: tile 8
-    10.9, 128 40.9; 32: tile 16 22.7, 32 20.5, 128 37.8; 64: tile 32 39.3, 64 38.7, 128 45.1; 128: tile 64 50.0,
-    128 67.5; 256 (a 4 x 512 prefill): 128 best, 64 no better, 256 and 512 slower."""
+    smaller tiles run more, less efficient matmuls; the average, as a power of two, is the balance
+    (`python benchmarks/moe.py` times the grouped matmul at several row counts)."""
     avg = max(1, M // max(E, 1))
     return max(1, min(tile, M, max(8, 1 << (avg.bit_length() - 1))))
 
@@ -266,13 +199,8 @@ def remainder_tiles(tm: int) -> tuple[int, ...]:
     """The row tiles a group's remainder (its last rows, fewer than tm) may take besides a full tm tile: tm/2, tm/4,
     ... down to max(8, tm/16); none below 16. Each group runs its remainder as ONE tile, the smallest of tm and
     these that holds it, so a group costs one matmul more than its whole tiles and wastes less than half of that
-    last tile (or, in the smallest tile, fewer than its rows). Fewer, larger matmuls beat less padding on CPU:
-    measured on the `small` preset's experts (E=32, H=512, I=256, jitted, best of 4 interleaved rounds, ms), tiles
-    of 32 / 64 / 128 / 256 / 512 rows over 8,192 rows took 59.7 / 48.5 / 41.3 / 35.8 / 33.6 (one dense matmul:
-    31.7), about 0.1 ms more per tile than per row. Against remainder tiles of a fixed tm/2 rows, as many as a
-    group needed (and full tiles of at most 128 rows), the whole `small` prefill took 0.90-1.01x the time at
-    4 x 512 (six in-model runs, median ratio 0.96), 0.90x at 2 x 512, 0.91x at 1 x 512 and 0.95x at 1 x 128, with
-    the same logits."""
+    last tile (or, in the smallest tile, fewer than its rows). On CPU a tile costs about as much as a tenth of a
+    millisecond of rows, so fewer, larger matmuls beat less padding below a sixteenth of tm."""
     floor = max(8, tm // 16)
     out, t = [], tm // 2
     while t >= floor:
@@ -297,15 +225,9 @@ def _tile_loops(carry, group_sizes, M: int, tile: int, weights: tuple, run_tile)
     fewer rows than the smallest tile size has (padding every group to whole tm-row tiles wasted up to tm - 1
     rows: a quarter of the expert FLOPs of the `small` preset's 4 x 512 prefill with tm = 128).
 
-    Why expert by expert: on CPU a dynamic slice of the weights is a copy (1.5 MB per expert of the `small`
-    preset; XLA's dot fusions take whole buffers), so slicing once per expert rather than once per tile copies
-    about a third less at 4 x 512 (32 experts, ~43 tiles: 26 instead of 34-40 ms of copies in the prefill's
-    profile), and the loops have no iterations to skip. The schedule before (one loop of whole tiles over all
-    groups, then one loop per remainder tile size, each iteration slicing its expert's weights and the unused
-    iterations skipped), with the routing weights scaling the output and an argsort: the whole `small` prefill's
-    thunk time went from 1,144 to 1,089 ms at 4 x 512 (profiled, 12 calls each); wall-clock medians of
-    interleaved AOT programs, 0.96-1.05x at 4 x 512 (this host's noise is larger than the gain), 0.96-0.99x at
-    1 x 512 and 0.91-0.96x at 1 x 128, with the same logits up to rounding (1.2e-5)."""
+    Why expert by expert: on CPU a dynamic slice of the weights is a copy (XLA's dot fusions take whole buffers),
+    so slicing once per expert rather than once per tile copies each expert's weights once, and the loops have no
+    iterations to skip."""
     E = group_sizes.shape[0]
     tm = tile_rows(M, E, tile)
     sizes = (tm, *remainder_tiles(tm))
@@ -353,8 +275,7 @@ def _tile_swiglu(x_t, gate_up_e, down_e, scale=None, act_block=None):
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int, act_block=None):
     """The "tiles" path of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
     writes its own rows of the result in place (no padded copy of the rows or the result: padding x and y by a
-    tile and slicing y back copies [M, H] arrays; the whole `small` 4 x 512 prefill took 0.98-1.06x the time with
-    them in four interleaved runs: noise level)."""
+    tile and slicing y back would copy [M, H] arrays for no gain)."""
     M, H = x_sorted.shape
     x_sorted = _round_input(x_sorted, act_block)
 
@@ -371,11 +292,8 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     """`experts_sorted` with the "tiles" path, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert (the routing weights folded into the SwiGLU activations), and
     adds its own rows into the [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output
-    (each a fresh k-times-the-tokens buffer that is written, then read once): against gather, `grouped_swiglu`,
-    scatter-add, the whole `small` prefill took 0.95-0.98x the time at 4 x 512 (medians of three in-model A/Bs,
-    AOT programs, interleaved), 0.95x at 1 x 512 and 1.00x at 1 x 128, with logits within 1.2e-5. Folding the
-    weights into the activations (rather than scaling the [t, H] output) removed the 10-13 ms pass over each
-    tile's output from the 4 x 512 prefill's thunk time: the scaling rides in the SwiGLU's elementwise fusion."""
+    (each a fresh k-times-the-tokens buffer that is written, then read once). The routing weights scale the
+    activations inside the SwiGLU's elementwise fusion rather than the [t, H] output in a pass of its own."""
     N, H = x.shape
     x = _round_input(x, act_block)  # per token row, so rounding before the gather is rounding each sorted row
 
@@ -402,7 +320,7 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", 
     x_sorted, group_sizes, gate_up, down = _arrays(x_sorted, group_sizes, gate_up, down)
     if x_sorted.ndim != 2:
         raise ValueError(f"x_sorted must be [M, H], got shape {_shape(x_sorted)}")
-    E, _ = _check_weights(gate_up, down, x_sorted.shape[1])
+    E, _ = check_expert_weights(gate_up, down, x_sorted.shape[1])
     if _shape(group_sizes) != (E,):
         raise ValueError(f"group_sizes must be [E] = [{E}], got shape {_shape(group_sizes)}")
     if impl not in GROUPED_IMPLS:
@@ -429,7 +347,7 @@ def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", ti
     the "tiles" implementation each tile does its own gather and scatter-add (`_sorted_tiles_fused`); with "ragged_dot"
     the whole [M, H] sorted rows go through `grouped_swiglu`. `act_block`: W8A8, as in `experts_dense`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
-    N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
+    N, H, E, k = check_routed(x, weights, experts, gate_up, down)
     order, group_sizes = sort_by_expert(experts, E)
     token = order // k  # token of each sorted row
     w_sorted = weights.reshape(-1)[order].astype(x.dtype)
@@ -446,12 +364,9 @@ def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", ti
 
 
 # Up to this many slots (N·k), `experts_gather` writes one product pair per slot (unrolled) rather than a scan.
-# Unrolled, the slots' products are independent ops that XLA's CPU runtime spreads over its threads; in a scan they
-# run one after another. In-model, `small` preset, 32 greedy decode steps in one jitted scan (AOT programs,
-# interleaved, median of 8-10 rounds): B = 4 (16 slots) 0.86-0.87x the step time of the scan, B = 8 (32 slots)
-# 0.83x, B = 1 (4 slots) 0.98x; a scan unrolled by 8 (two iterations of 8 slots) gained nothing. The gain needs the
-# second core: 8 layers of a B = 4 gather took 0.88-0.93x the scan's time on 2 cores, 0.92-1.01x on one. The
-# bound keeps the program small for large configurations (the released model's 10 slots per token).
+# Unrolled, the slots' products are independent ops that XLA's CPU runtime spreads over its threads (the gain needs
+# a second core); in a scan they run one after another. The bound keeps the program small for large configurations
+# (the released model's 10 slots per token).
 GATHER_UNROLL_MAX = 64
 
 
@@ -465,13 +380,12 @@ def experts_gather(x, weights, experts, gate_up, down, *, max_unrolled: int = GA
     [M, 2I, H] and [M, H, I] buffers every call. Up to `max_unrolled` slots the products are written out one per
     slot (independent ops, run concurrently: see `GATHER_UNROLL_MAX`); more slots go through a `lax.scan`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
-    N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
+    N, H, E, k = check_routed(x, weights, experts, gate_up, down)
     dtype = x.dtype
 
     def one_slot(e, x_m):
         # Written as vector @ matrix.T ([1, H] @ [H, 2I]), XLA's CPU backend emits each product as one loop fusion
-        # that reads the expert's rows in place; matrix @ vector copied the expert's weights out first, then ran a
-        # separate dot: 1.65x the time for the small preset's decode-step MoE (N = 4, 13 experts of 32, 8 layers).
+        # that reads the expert's rows in place; matrix @ vector would copy the expert's weights out first.
         h = x_m[None] @ gate_up[e].astype(dtype).T  # [1, 2I]
         return (_swiglu(h) @ down[e].astype(dtype).T)[0]  # [H]
 
@@ -503,23 +417,13 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
     return max(1, min(num_tokens, math.ceil(capacity_factor * num_tokens * top_k / num_experts)))
 
 
-def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
-    """[N, k] position of each slot among the slots sent to the same expert, counting in token order."""
-    order, group_sizes = sort_by_expert(experts, num_experts)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    flat = experts.reshape(-1)
-    M = flat.shape[0]
-    rank_sorted = jnp.arange(M, dtype=jnp.int32) - starts[flat[order]]
-    return jnp.zeros((M,), jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
-
-
 def experts_capacity(x, weights, experts, gate_up, down, *, capacity_factor: float = 1.25):
     """Fixed per-expert buffers [E, C, H]; a slot whose rank within its expert (token order) is >= C is dropped:
     it adds nothing for that token (the other k − 1 slots still do; weights are not renormalised).
 
     Returns (y [N, H], CapacityStats). With C >= the largest expert load nothing drops and y equals the others."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
-    N, H, E, k = _check_routed(x, weights, experts, gate_up, down)
+    N, H, E, k = check_routed(x, weights, experts, gate_up, down)
     C = capacity(N, E, k, capacity_factor)
     y, dropped_per_expert = _experts_capacity(x, weights, experts, gate_up, down, C=C)
     dropped = jnp.sum(dropped_per_expert)
@@ -530,7 +434,7 @@ def experts_capacity(x, weights, experts, gate_up, down, *, capacity_factor: flo
 def _experts_capacity(x, weights, experts, gate_up, down, *, C: int):
     (N, H), E, k = x.shape, gate_up.shape[0], experts.shape[1]
     dtype = x.dtype
-    rank = _rank_in_expert(experts, E)  # [N, k]
+    rank = rank_in_expert(experts, E)  # [N, k]
     keep = rank < C
     # Dropped slots get an out-of-bounds row index: mode="drop" ignores them on the way in, fill 0 on the way out.
     slot_row = jnp.where(keep, rank, C)
@@ -639,45 +543,6 @@ class TopKRouter(nnx.Module):
         self.weight = nnx.Param(init_normal(rngs, (num_experts, hidden), DEFAULT_INIT_STD, param_dtype))
 
 
-def fp8_dequantize(w: jax.Array, scale_inv: jax.Array, dtype, block: int = FP8_BLOCK) -> jax.Array:
-    """Block-scaled FP8 -> `dtype`: w [..., R, C] float8, scale_inv [..., ceil(R/b), ceil(C/b)] float32;
-    result[..., r, c] = float(w[..., r, c]) · scale_inv[..., r // b, c // b] (the jnp twin of
-    `qwen35.weights.fp8_block_dequantize`). Elementwise, so on sharded experts it runs on each device's own."""
-    R, C = w.shape[-2:]
-    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block, axis=-2)[..., :R, :], block, axis=-1)[..., :C]
-    return (w.astype(jnp.float32) * s).astype(dtype)
-
-
-E4M3_MAX = 448.0  # the largest float8_e4m3fn
-
-
-def quantize_fp8_activations(x, block: int = ACT_BLOCK):
-    """x [..., K] -> (q float8_e4m3fn [..., K], scale [..., K/block] float32): per row and `block`-wide group of
-    columns, scale = amax / 448 (1 for an all-zero group) and q = x / scale, so q·scale is x to e4m3's 3 mantissa
-    bits. W8A8's activation quantisation (`SparseMoeBlock` with `config.act_fp8`; the Pallas kernels)."""
-    *lead, K = x.shape
-    if K % block:
-        raise ValueError(f"activation quantisation needs K a multiple of {block}, got K={K}")
-    xb = x.astype(jnp.float32).reshape(*lead, K // block, block)
-    amax = jnp.max(jnp.abs(xb), axis=-1)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = jnp.clip(xb / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(*lead, K), scale
-
-
-def dequantize_fp8_activations(q, scale, block: int = ACT_BLOCK):
-    """The inverse of `quantize_fp8_activations`, in float32."""
-    *lead, K = q.shape
-    return (q.astype(jnp.float32).reshape(*lead, K // block, block) * scale[..., None]).reshape(*lead, K)
-
-
-def fp8_round_activations(x, block: int = ACT_BLOCK):
-    """x quantised to FP8 and back (in x's dtype): the value an FP8 x FP8 matmul multiplies. With the FP8 weights
-    dequantised, a float32 matmul of it is the W8A8 product up to the order of the sums (the product of two e4m3
-    values is exact in float32): W8A8's XLA path (in bfloat16 each operand also rounds to bf16's 8 bits)."""
-    return dequantize_fp8_activations(*quantize_fp8_activations(x, block), block).astype(x.dtype)
-
-
 class Experts(nnx.Module):
     """Fused expert weights in the HF layout: `gate_up_proj` [E, 2I, H] (rows gate then up), `down_proj` [E, H, I].
 
@@ -734,13 +599,11 @@ class MLP(nnx.Module):
 
 
 # Below this many multiply-adds for running *every* expert on every token (N·E·3·I·H), the sorted path's sort,
-# gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops. On a
-# 2-core CPU, the tiny preset's MoE (jitted, medians of 200 calls, three rounds; µs dense against sorted): N = 32
-# tokens (1.5M MACs) 103-131 against 104-152, N = 48 (2.2M) 151-157 against 124-163, N = 64 (3M) 182-188 against
-# 135-162, N = 128 (6M) 263-284 against 205-225, N = 256 (12M) 494-523 against 251-267: the crossover is near 2M.
-# Decode-sized batches (N·k <= E) take `experts_gather` before this test: for the tiny preset at N = 1 it took
-# 36 µs against 97 µs dense, and for the `small` preset dense would read all 32 experts (26 ms against 0.6 ms).
-# Only toy configurations get here: the `small` preset's smallest batch past the gather bound (N = 9) is 113M MACs.
+# gathers and tile loop cost more than the E/k-fold extra FLOPs of `experts_dense`, which is a few fused ops; on a
+# 2-core CPU the two cross near 2M (the tiny preset's MoE, `python benchmarks/moe.py --hidden 64 --experts 8
+# --top-k 2 --width 32 --tokens N` at N = 32 to 256, times both). Decode-sized batches (N·k <= E) take
+# `experts_gather` before this test, and the `small` preset's smallest batch past that bound is 113M MACs: only toy
+# configurations get here.
 DENSE_MAX_MACS = 2 * 2**20
 
 
@@ -804,8 +667,6 @@ class SparseMoeBlock(nnx.Module):
         """The routed-expert sum for x [N, H] with the configured path."""
         ex = self.experts
         if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
-            from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # kernels import this module
-
             tiles = ex.fp8_tiles()
             if tiles is not None:  # FP8 tiles read in VMEM
                 gu, dn, gs, ds = tiles

@@ -28,6 +28,7 @@ from flax import nnx
 
 from qwen35.attention import KVCache
 from qwen35.config import FULL, Qwen35Config
+from qwen35.decoder import DecoderLayer
 from qwen35.layers import Linear, RMSNorm
 
 __all__ = ["MultiTokenPredictor"]
@@ -39,8 +40,6 @@ class MultiTokenPredictor(nnx.Module):
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted",
                  fp8_experts: bool = False):
-        from qwen35.model import DecoderLayer  # the model module builds this one
-
         c = config
         if c.mtp_num_hidden_layers < 1:
             raise ValueError(f"config.mtp_num_hidden_layers is {c.mtp_num_hidden_layers}: this configuration has no "

@@ -248,7 +248,7 @@ def test_default_chunk_size():
     recurrent decode."""
     assert gdn.default_chunk_size() == (16 if jax.default_backend() == "cpu" else 64)
     assert gdn.default_chunk_size("pallas") == 64
-    with pytest.raises(ValueError, match="path must be"):
+    with pytest.raises(ValueError, match="backend must be"):
         gdn.default_chunk_size("triton")
     cfg = qwen35.get_preset("tiny")
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):

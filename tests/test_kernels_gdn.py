@@ -332,7 +332,7 @@ PAGED_CASES = [
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype, page_size", PAGED_CASES)
 def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
-    """`paged_gdn_decode` against its reference (`cache.read_rec` gather, `gated_delta_rule_step`, `cache.write_rec`
+    """`paged_gdn_decode` against its reference (`read_recurrent` gather, `gated_delta_rule_step`, `write_recurrent`
     scatter) on the tiny preset's pool, with scattered state blocks: a row mid-sequence, a fresh row (its stale
     blocks ignored), a padding row at NO_BLOCK (nothing read or written), two GDN layers through one compiled
     program (the layer index traced). Outputs and new states agree to float32 rounding; every pool element outside
@@ -357,10 +357,10 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
     g = -jnp.asarray(rng.uniform(0.01, 1.5, (B, Hv)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (B, Hv)), jnp.float32)
     fresh = jnp.asarray([False, True, False, False])
-    run = jax.jit(lambda p, j: paged_gdn_decode(q, k, v, g, beta, p, blocks, fresh, j, cfg, interpret=RACES))
+    run = jax.jit(lambda p, j: paged_gdn_decode(q, k, v, g, beta, p, blocks, fresh, j, lay, interpret=RACES))
     for j in (1, 4):
         with jax.default_matmul_precision("highest"):
-            ro, rpool = paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, jnp.int32(j), cfg)
+            ro, rpool = paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, jnp.int32(j), lay)
         o, new = run(jnp.array(pool, copy=True), jnp.int32(j))
         assert_no_races()
         terms = rule_terms(1, Dk, 1)
@@ -387,7 +387,7 @@ def test_paged_decode_lowers_for_tpu(dtype):
     lay = pool_layout(cfg, 256, dtype)
     B, Hv, D = 64, cfg.linear_num_value_heads, cfg.linear_key_head_dim
     sds, f32 = jax.ShapeDtypeStruct, jnp.float32
-    f = lambda *a: paged_gdn_decode(*a, cfg, interpret=False)  # noqa: E731
+    f = lambda *a: paged_gdn_decode(*a, lay, interpret=False)  # noqa: E731
     exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
         sds((B, Hv, D), f32), sds((B, Hv, D), f32), sds((B, Hv, D), f32), sds((B, Hv), f32), sds((B, Hv), f32),
         sds((lay.units_per_block, 1000, lay.unit), jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32),
@@ -404,7 +404,7 @@ def test_paged_decode_bad_input_is_a_clear_error():
     pool = init_paged_cache(cfg, 8, 16).pool
     z = lambda *s: jnp.zeros(s, jnp.float32)  # noqa: E731
     args = [z(2, 4, 16), z(2, 4, 16), z(2, 4, 24), z(2, 4), z(2, 4), pool, jnp.ones((2, lay.state_blocks), jnp.int32),
-            jnp.zeros(2, bool), 0, cfg]
+            jnp.zeros(2, bool), 0, lay]
     with pytest.raises(ValueError, match=r"blocks must be \[B, state_blocks\]"):
         paged_gdn_decode(*args[:6], jnp.ones((2, 1), jnp.int32), *args[7:])
     with pytest.raises(ValueError, match="pool must be the engine's"):

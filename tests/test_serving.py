@@ -402,8 +402,7 @@ def test_layer_programs_compile_per_shape_of_what_they_read(model):
     pool = engine.cache.pool
     for i in (step.reads.index("gdn"), step.reads.index("attention")):
         prog, leaves = step.layers[i]
-        hlo = prog.lower(leaves, step.indices[i], h, pool, batch_view(batch, step.reads[i]),
-                         backend="xla").compile().as_text()
+        hlo = prog.lower(leaves, step.indices[i], h, pool, batch_view(batch, step.reads[i])).compile().as_text()
         copies = pool_copies(hlo, pool)
         assert not copies, f"the {step.reads[i]} layer program copies the pool: {copies[0][:200]}"
 
@@ -431,13 +430,11 @@ def test_one_sequence_steps_update_the_pool_in_place(fused):
     assert MIN_ROWS == 2 and batch.tokens.shape == (2,)
     pool, run = engine.cache.pool, engine._run
     if fused:
-        hlos = {"step": run.run.lower(run.leaves, engine.cache, batch, backend="xla",
-                                      return_logits=False).compile().as_text()}
+        hlos = {"step": run.run.lower(run.leaves, engine.cache, batch, return_logits=False).compile().as_text()}
     else:
         embed, leaves = run.embed
         h = embed(leaves, batch.tokens, dtype=run.dtype)
-        hlos = {run.reads[i]: prog.lower(leaves, run.indices[i], h, pool, batch_view(batch, run.reads[i]),
-                                         backend="xla").compile().as_text()
+        hlos = {run.reads[i]: prog.lower(leaves, run.indices[i], h, pool, batch_view(batch, run.reads[i])).compile().as_text()
                 for i, (prog, leaves) in enumerate(run.layers)}
     for name, hlo in hlos.items():
         copies = pool_copies(hlo, pool)
@@ -530,8 +527,7 @@ def test_engine_with_the_pallas_backend_matches_generate():
 
     def jaxpr(i):
         prog, leaves = run.layers[i]
-        return str(jax.make_jaxpr(lambda: prog(leaves, run.indices[i], h, engine.cache.pool, batches[0],
-                                               backend="pallas"))())
+        return str(jax.make_jaxpr(lambda: prog(leaves, run.indices[i], h, engine.cache.pool, batches[0]))())
 
     assert "name=_rpa" in jaxpr(1)  # the attention layer: ragged paged attention over the block tables
     gdn = jaxpr(0)  # the GDN layer: the paged decode kernel for every row, the chunked kernel for the prefill block

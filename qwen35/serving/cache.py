@@ -57,9 +57,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35.config import Qwen35Config
+from qwen35.kernels.state_pool import (PoolLayout, gather_units, join_halves, read_recurrent, rec_from_bits,
+                                       rec_to_bits, scatter_units, split_halves, state_units, write_recurrent)
 
 __all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "layout_of", "PagedHybridCache",
-           "init_paged_cache", "read_state", "write_state", "read_conv", "read_rec", "write_conv", "write_rec",
+           "init_paged_cache", "pool_blocks", "read_state", "write_state", "read_conv", "read_rec", "write_conv", "write_rec",
            "rec_from_bits", "rec_to_bits", "join_halves", "split_halves", "to_pool", "from_pool", "pool_dtype",
            "layout_bytes", "SCRATCH_PAGE", "NO_BLOCK"]
 
@@ -97,28 +99,6 @@ class CacheFullError(RuntimeError):
     """Not enough free blocks (the scheduler catches it and preempts)."""
 
 
-class PoolLayout(NamedTuple):
-    """Where everything lives in the pool (see the module docstring); sizes in pool elements."""
-
-    attention_layers: int  # A: the pool has 2A units per block
-    gdn_layers: int
-    page_size: int
-    unit: int              # elements of one unit: page_size · Hkv · Dh (one K or V page of one attention layer)
-    rec_units: int         # units of one GDN layer's recurrent state
-    conv_units: int        # units of one GDN layer's conv state
-    rec_elems: int         # pool elements of one recurrent state (Hv·Dk·Dv float32, times 2 in a 16-bit pool)
-    conv_elems: int        # pool elements of one conv state
-    state_blocks: int      # blocks one sequence's GDN state takes
-
-    @property
-    def units_per_block(self) -> int:
-        return 2 * self.attention_layers
-
-    @property
-    def layer_units(self) -> int:
-        return self.rec_units + self.conv_units
-
-
 def pool_layout(config: Qwen35Config, page_size: int, dtype, *, attention_layers: int | None = None) -> PoolLayout:
     """The pool's geometry for `config` with `page_size`-token pages in `dtype` (float32 or bfloat16).
     `attention_layers`: the layers with pages in the pool (default the model's full-attention layers; a
@@ -136,7 +116,7 @@ def pool_layout(config: Qwen35Config, page_size: int, dtype, *, attention_layers
     conv = c.linear_conv_dim * c.linear_conv_kernel_dim
     rec_u, conv_u = -(-rec // unit), -(-conv // unit)
     blocks = -(-n_gdn * (rec_u + conv_u) // (2 * A))
-    return PoolLayout(A, n_gdn, page_size, unit, rec_u, conv_u, rec, conv, blocks)
+    return PoolLayout(A, n_gdn, page_size, unit, rec_u, conv_u, rec, conv, blocks, 4 // size)
 
 
 class BlockAllocator:
@@ -228,6 +208,13 @@ def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtyp
     return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
+def pool_blocks(lay: PoolLayout, seqs: int, context: int, state_groups: int = 1) -> int:
+    """The blocks a pool needs to hold `seqs` sequences of up to `context` tokens at once: each sequence's pages
+    (ceil(context / page_size)) and its GDN state (`state_groups` copies of `state_blocks`: a speculative engine
+    keeps one per verified position), plus the scratch block."""
+    return seqs * (-(-context // lay.page_size) + state_groups * lay.state_blocks) + 1
+
+
 def layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
     """The layout of an existing pool (its page size, dtype and attention layers read from its shape)."""
     unit = pool.shape[-1]
@@ -235,88 +222,20 @@ def layout_of(config: Qwen35Config, pool: jax.Array) -> PoolLayout:
                        attention_layers=pool.shape[-3] // 2)
 
 
-def _state_units(lay: PoolLayout, j, blocks: jax.Array):
-    """(unit index within a block [U], block id [R, U]) of GDN layer j's units for rows with state blocks
-    `blocks` [R, state_blocks]; j may be traced (one program serves every GDN layer)."""
-    u = j * lay.layer_units + jnp.arange(lay.layer_units)
-    return u % lay.units_per_block, jnp.take(blocks, u // lay.units_per_block, axis=1)
-
-
-def _units(lay: PoolLayout, pool, which, ids, first: int, elems: int):
-    """[R, elems]: the first `elems` elements of a GDN layer's state part that starts at unit `first`, for every
-    row (rows at `NO_BLOCK` read zeros). Only the used part of a last, part-filled unit is read (a conv state
-    often fills an eighth of its unit): the whole units in one gather, the used prefix of the last in another."""
-    full, rest = divmod(elems, lay.unit)
-    R, parts = ids.shape[0], []
-    if full:
-        sl = slice(first, first + full)
-        parts.append(pool.at[which[None, sl], ids[:, sl]].get(mode="fill", fill_value=0).reshape(R, full * lay.unit))
-    if rest:
-        k = first + full
-        parts.append(pool.at[which[k], ids[:, k], :rest].get(mode="fill", fill_value=0))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-
-def _set_units(lay: PoolLayout, pool, which, ids, first: int, x):
-    """`pool` with the state part that starts at unit `first` set to x [R, elems] for every row (rows at `NO_BLOCK`
-    dropped): whole units in one scatter, the used prefix of a last, part-filled unit in another (the rest of
-    that unit is never read, so it is not written)."""
-    R, elems = x.shape
-    full, rest = divmod(elems, lay.unit)
-    if full:
-        sl = slice(first, first + full)
-        pool = pool.at[which[None, sl], ids[:, sl]].set(x[:, :full * lay.unit].reshape(R, full, lay.unit),
-                                                         mode="drop")
-    if rest:
-        k = first + full
-        pool = pool.at[which[k], ids[:, k], :rest].set(x[:, full * lay.unit:], mode="drop")
-    return pool
-
-
-def join_halves(hi: jax.Array, lo: jax.Array) -> jax.Array:
-    """float32 values from their high and low 16 bits (uint16 arrays of one shape)."""
-    return jax.lax.bitcast_convert_type((hi.astype(jnp.uint32) << 16) | lo.astype(jnp.uint32), jnp.float32)
-
-
-def split_halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The high and low 16 bits (uint16) of float32 values x."""
-    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    return (u >> 16).astype(jnp.uint16), (u & 0xFFFF).astype(jnp.uint16)
-
-
-def rec_from_bits(bits: jax.Array) -> jax.Array:
-    """Recurrent states [..., n] float32 from their pool bits [..., planes · n] (uint32: one plane; uint16: the high
-    halves, then the low halves). Integer shifts only: exact on every backend, and Mosaic-friendly (same-shaped
-    tiles, one same-width bitcast)."""
-    if bits.dtype == jnp.uint32:
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-    n = bits.shape[-1] // 2
-    return join_halves(bits[..., :n], bits[..., n:])
-
-
-def rec_to_bits(rec: jax.Array, pool_dtype_bits) -> jax.Array:
-    """The pool bits [..., planes · n] of float32 recurrent states rec [..., n] (the inverse of `rec_from_bits`)
-    for a pool of `pool_dtype_bits` (uint32 or uint16)."""
-    if jnp.dtype(pool_dtype_bits) == jnp.uint32:
-        return jax.lax.bitcast_convert_type(rec.astype(jnp.float32), jnp.uint32)
-    return jnp.concatenate(split_halves(rec), axis=-1)
-
-
 def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax.Array:
     """GDN layer j's recurrent states [R, Hv, Dk, Dv] float32 for rows with state blocks `blocks` [R, state_blocks]
-    (rows at `NO_BLOCK` read zeros), from that layer's recurrent units (`_units`)."""
-    c, lay = config, layout_of(config, pool)
-    which, ids = _state_units(lay, j, blocks)
-    rec = rec_from_bits(_units(lay, pool, which, ids, 0, lay.rec_elems))
+    (rows at `NO_BLOCK` read zeros), from that layer's recurrent units."""
+    c = config
+    rec = read_recurrent(layout_of(config, pool), pool, j, blocks)
     return rec.reshape(blocks.shape[0], c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
 
 def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype) -> jax.Array:
     """GDN layer j's conv states [R, conv_dim, Kc] in conv_dtype for rows with state blocks `blocks` (rows at
-    `NO_BLOCK` read zeros), from that layer's conv units (`_units`)."""
+    `NO_BLOCK` read zeros), from that layer's conv units."""
     c, lay = config, layout_of(config, pool)
-    which, ids = _state_units(lay, j, blocks)
-    conv = from_pool(_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems), pool)
+    which, ids = state_units(lay, j, blocks)
+    conv = from_pool(gather_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems), pool)
     return conv.reshape(blocks.shape[0], c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype)
 
 
@@ -329,19 +248,16 @@ def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv
 
 def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: jax.Array) -> jax.Array:
     """The pool with GDN layer j's recurrent states of rows `blocks` [R, state_blocks] replaced by rec [R, Hv, Dk,
-    Dv] (writes of rows at `NO_BLOCK` are dropped), into that layer's recurrent units (`_set_units`)."""
-    lay = layout_of(config, pool)
-    R = blocks.shape[0]
-    which, ids = _state_units(lay, j, blocks)
-    return _set_units(lay, pool, which, ids, 0, rec_to_bits(rec.reshape(R, -1), pool.dtype))
+    Dv] (writes of rows at `NO_BLOCK` are dropped), into that layer's recurrent units."""
+    return write_recurrent(layout_of(config, pool), pool, j, blocks, rec)
 
 
 def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
     """The pool with GDN layer j's conv states of rows `blocks` replaced by conv [R, conv_dim, Kc] (writes of rows
-    at `NO_BLOCK` are dropped), into that layer's conv units (`_set_units`)."""
+    at `NO_BLOCK` are dropped), into that layer's conv units."""
     lay = layout_of(config, pool)
-    which, ids = _state_units(lay, j, blocks)
-    return _set_units(lay, pool, which, ids, lay.rec_units, to_pool(conv, pool).reshape(blocks.shape[0], -1))
+    which, ids = state_units(lay, j, blocks)
+    return scatter_units(lay, pool, which, ids, lay.rec_units, to_pool(conv, pool).reshape(blocks.shape[0], -1))
 
 
 def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,

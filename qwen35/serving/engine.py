@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_layout
+from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_blocks, pool_layout
 from qwen35.serving.runner import DataParallel, DraftStep, FusedStep, LayerwiseStep, StepBatch, padding_batch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler
@@ -78,9 +78,9 @@ class StepShape(NamedTuple):
 
 
 # A step has at least 2 rows (a padding row when one sequence runs). With one row, the pool writes are scatters
-# of a single index, which XLA rewrites into a bounds-checked dynamic-update-slice; on CPU that lost the in-place
-# update and copied the whole pool (two to four times per layer program: a one-sequence decode step of the tiny
-# model took 4x a two-row one). A padding row costs one token through the model.
+# of a single index, which XLA rewrites into a bounds-checked dynamic-update-slice; on CPU that loses the in-place
+# update and copies the whole pool in every layer program (a test checks the compiled step has no pool-sized
+# copy). A padding row costs one token through the model.
 MIN_ROWS = 2
 
 
@@ -112,11 +112,9 @@ def _block_len(n: int) -> int:
     """The prefill block length Lb for a longest chunk of n tokens: 16, 32, 64, then 256, 1024, ...
 
     Short prompts get blocks of their own size: the chunked rule and the block's causal attention cost per padded
-    position, and a mixed step's prefill block is most of what it adds to a decode step. Measured (tiny preset, one
-    prefill row, 2-core CPU): the chunked rule took 195 / 224 / 372 µs at Lb = 16 / 32 / 64, and continuous
-    batching on `benchmarks/serving.py`'s workload (prompts of 8-64 tokens) ran 1.00-1.03x faster than with a
-    64-token floor (four interleaved runs, same tokens; static batching, whose prefill steps hold several prompts,
-    unchanged). Past 64, steps of 4 keep the number of compiled programs down."""
+    position, and a mixed step's prefill block is most of what it adds to a decode step (`python
+    benchmarks/serving.py` measures continuous batching with it). Past 64, steps of 4 keep the number of compiled
+    programs down."""
     return 16 if n <= 16 else 32 if n <= 32 else _pow4(n, 64)
 
 
@@ -245,7 +243,7 @@ class Engine:
         self.lookahead = 2 * k  # positions past max_model_len a sequence may write
         span = self.max_model_len + self.lookahead
         if num_blocks is None:
-            num_blocks = max_num_seqs * (math.ceil(span / block_size) + self.state_blocks) + 1
+            num_blocks = pool_blocks(self.layout, max_num_seqs, span, state_groups=k + 1)
         if num_blocks < self.state_blocks + 2:
             raise ValueError(f"num_blocks={num_blocks} cannot hold one sequence: its GDN state takes "
                              f"{self.state_blocks} blocks, plus a page and the scratch block; raise num_blocks")
@@ -258,7 +256,8 @@ class Engine:
         self.token_bucket = _pow2(max_num_batched_tokens, 16)
         self.page_bucket = _page_width(math.ceil(span / block_size))
         self.tokenizer = tokenizer if tokenizer is not None else (ByteTokenizer() if c.vocab_size >= 256 else None)
-        # One program for the whole step (best on accelerators), or one per layer (compiles ~6x faster: CPU).
+        # One program for the whole step (best on accelerators), or one per layer (on CPU, where compiling
+        # dominates: layers of one kind share one program).
         self.fused = (jax.default_backend() != "cpu") if fused is None else fused
         self._run = FusedStep(model, self.dp) if self.fused else LayerwiseStep(model, self.dp)
         self._draft = DraftStep(model, self.dp) if k else None
@@ -498,11 +497,11 @@ class Engine:
             return []
         batch = self._batch(scheds)
         k, R = self.speculative_tokens, self.num_ranks
-        toks, logits, self.cache = self._run(self.cache, batch, backend=self.backend, return_logits=self.keep_logits,
+        toks, logits, self.cache = self._run(self.cache, batch, return_logits=self.keep_logits,
                                              speculative=bool(k))
         if k:  # the MTP head drafts the next step's guesses from this step's hidden states and emitted tokens
             out, counts, hidden = toks
-            drafts, self.cache = self._draft(self.cache, batch, hidden, out, counts, k=k, backend=self.backend)
+            drafts, self.cache = self._draft(self.cache, batch, hidden, out, counts, k=k)
             out = np.asarray(out).reshape(R, -1, k + 1)
             counts, drafts = np.asarray(counts).reshape(R, -1), np.asarray(drafts).reshape(R, -1, k)
         else:

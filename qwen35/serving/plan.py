@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35.serving.cache import init_paged_cache, pool_layout
+from qwen35.serving.cache import init_paged_cache, pool_blocks, pool_layout
 from qwen35.serving.engine import _page_width, _pow2
 from qwen35.serving.runner import DataParallel, LayerwiseStep, _build_step, _leaf_spec, layer_indices, padding_batch
 
@@ -71,7 +71,7 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
     seqs = concurrency // ranks
     pages_per_seq = -(-context // block_size)
     pool = pool_layout(config, block_size, param_dtype)
-    num_blocks = seqs * (pages_per_seq + pool.state_blocks) + 1
+    num_blocks = pool_blocks(pool, seqs, context)
 
     model = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
     graphdef, state = nnx.split(model)
@@ -123,7 +123,7 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
     weights += nbytes_per_device(leaves)
     for i, ((prog, leaves), idx) in enumerate(zip(run.layers, layer_indices(model.model.layers))):
         kind = config.layer_types[i]
-        analyse(f"layer ({kind})", prog, leaves, np.int32(idx), h, cache.pool, batch, backend=config.backend)
+        analyse(f"layer ({kind})", prog, leaves, np.int32(idx), h, cache.pool, batch)
         weights += nbytes_per_device(leaves)
     cache_bytes = nbytes_per_device(cache.pool)  # one pool, read and written by every layer's program
     head, leaves = run.head
@@ -162,5 +162,4 @@ def export_step(engine, shape, *, platforms=("tpu",), return_logits: bool = Fals
             jax.tree.map(lambda a: abstract(a, lead, where), batch))
     ctx = lower_for_tpu() if "tpu" in platforms else contextlib.nullcontext()
     with ctx:
-        return jax.export.export(run, platforms=list(platforms))(*args, backend=engine.backend,
-                                                                 return_logits=return_logits)
+        return jax.export.export(run, platforms=list(platforms))(*args, return_logits=return_logits)

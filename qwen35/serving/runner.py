@@ -55,6 +55,10 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35.config import LINEAR
 from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
+from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
+from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
+from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, supports_paged_decode
+from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_pool
 from qwen35.model import bind_program, output_logits
 from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, layout_of, pool_dtype, read_conv,
                                   read_rec, to_pool, write_conv, write_rec, write_state)
@@ -149,14 +153,13 @@ def batch_view(b: StepBatch, reads: str) -> StepBatch:
 
 
 def attention_backend(backend: str):
-    """The step's ragged paged attention for `backend`, as `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
+    """The step's ragged paged attention for `backend` (the model's `config.backend`, which the GDN and the MoE
+    read too), as `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
     (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
     as [2A, num_blocks, page_size, Hkv, D], the layer's K pages at pages[ki] and V pages at pages[ki + 1]): the
     Pallas kernel for "pallas" (it reads everything through the block tables, in place), else
     `_paged_attention_rows` (the reference's result, laid out by rows)."""
     if backend == "pallas":
-        from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_pool
-
         return lambda q, k, v, pages, ki, b: ragged_paged_attention_pool(
             q, pages, ki, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, kv_dtype=pool_dtype(pages))
     return _paged_attention_rows
@@ -243,11 +246,11 @@ def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
     return o.reshape(T, Hq, D).astype(q.dtype)
 
 
-def _attention(attn, x, b: StepBatch, pool, i, attend):
+def _attention(attn, x, b: StepBatch, pool, i):
     """The attention mixer of attention layer i (of the model's attention layers) on the packed tokens x [Tb, H]:
     the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
-    its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, `attend` over the block tables, the layer's own
-    output gate and projection."""
+    its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of
+    `attention_backend` over the block tables, the layer's own output gate and projection."""
     q, k, v, gate = (t[0] for t in attn.project(x[None], b.positions))
     C, NB, _ = pool.shape
     Hkv, Dh = k.shape[1:]
@@ -255,7 +258,7 @@ def _attention(attn, x, b: StepBatch, pool, i, attend):
     flat = pool.reshape(C, NB * PS, Hkv, Dh)  # free views of the pool: token slots, then pages
     flat = flat.at[2 * i, b.slot_mapping].set(to_pool(k, pool)).at[2 * i + 1, b.slot_mapping].set(to_pool(v, pool))
     pages = flat.reshape(C, NB, PS, Hkv, Dh)
-    o = attend(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
+    o = attention_backend(attn.config.backend)(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
     return attn.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)
 
 
@@ -264,8 +267,7 @@ def _paged(gdn, pool) -> bool:
     the Pallas backend on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
     if gdn.config.backend != "pallas":
         return False
-    from qwen35.kernels.paged_gdn_decode import supports_paged_decode  # lazy: the kernels import the layers
-    return supports_paged_decode(layout_of(gdn.config, pool), gdn.config)
+    return supports_paged_decode(layout_of(gdn.config, pool))
 
 
 def _blocks_of(b: StepBatch, rows):
@@ -326,8 +328,6 @@ def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
     step in one kernel (the state read once and written once)."""
     w = gdn.conv1d.weight[...]
     if gdn.config.backend == "pallas":
-        from qwen35.kernels.fused_gdn_decode import fused_gdn_decode  # lazy: the kernels import the layers
-
         return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
                                 num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
     y, conv = causal_conv1d_update(mixed[idx], w, conv)
@@ -348,14 +348,13 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
     Kc = w.shape[-1]
     pallas = gdn.config.backend == "pallas"
     if paged:
-        from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
-
         idx = b.last_idx
         y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)  # the conv (2% of the state bytes) in XLA
         q, k, v = gdn.heads(y)
         is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
         blocks = jnp.where(is_pf[:, None], NO_BLOCK, b.state_blocks)  # prefill rows: written after, from their chunk
-        o_dec, pool = paged_gdn_decode(q, k, v, g[idx], beta[idx], pool, blocks, b.fresh, j, gdn.config)
+        o_dec, pool = paged_gdn_decode(q, k, v, g[idx], beta[idx], pool, blocks, b.fresh, j,
+                                       layout_of(gdn.config, pool))
         rec_new = None
     else:
         o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
@@ -372,8 +371,6 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
         betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
         if pallas:  # the conv fused into the chunked kernel (its output never in memory): the Sp rows back to back,
             # Lb tokens each (padding steps are no-ops for the rule; the conv state comes from `take` above)
-            from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
-
             flat = lambda t: t.reshape(Sp * Lb, *t.shape[2:])  # noqa: E731
             o_pf, rec_pf, _ = chunked_gdn_conv_packed(
                 flat(xb), w, flat(gb), flat(betab), jnp.arange(Sp + 1, dtype=jnp.int32) * Lb,
@@ -396,13 +393,13 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
     return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 
-def _layer(layer, h, pool, idx, b: StepBatch, attend, routed_fn=None):
+def _layer(layer, h, pool, idx, b: StepBatch, routed_fn=None):
     """One decoder layer on the packed tokens h [Tb, H]: the model's own `DecoderLayer` (norms, residuals, MoE),
     its mixer run on the cache pool as layer `idx` of its kind. `routed_fn`: how the MoE sums its routed experts
     (None: the block's own path; on a mesh, the exchange)."""
     def mix(mixer, x, pool):
         y, pool = (_gdn(mixer, x[0], b, pool, idx) if layer.layer_type == LINEAR
-                   else _attention(mixer, x[0], b, pool, idx, attend))
+                   else _attention(mixer, x[0], b, pool, idx))
         return y[None], pool
 
     h, pool, _ = layer(h[None], pool, None, mix=mix, routed_fn=routed_fn)
@@ -473,7 +470,7 @@ class DraftParams(nnx.Module):
         self.index = model.config.num_full_layers  # the MTP attention's pages: pool units 2·index, 2·index + 1
 
 
-def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, attend, routed_fn=None):
+def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, routed_fn=None):
     """k drafts per row [Sb, k] from the MTP head after a step, and the pool with the head's K/V written (traced).
 
     First pass, over the step's own tokens: at every packed position t, the hidden state x_t (after the final
@@ -490,7 +487,7 @@ def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, attend, 
     def run(hidden, ids, batch, pool, step):
         u = mtp.fc(jnp.concatenate([mtp.pre_fc_norm_embedding(dp.embed_tokens(ids, dp.dtype)),
                                     mtp.pre_fc_norm_hidden(hidden.astype(dp.dtype))], -1))
-        v, pool = _layer(mtp.layers[step % len(mtp.layers)], u, pool, dp.index, batch, attend, routed_fn)
+        v, pool = _layer(mtp.layers[step % len(mtp.layers)], u, pool, dp.index, batch, routed_fn)
         return mtp.norm(v), pool
 
     def guess(hn):
@@ -531,37 +528,37 @@ def _sample(logits, b: StepBatch):
         lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32))
 
 
-def _hidden(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
+def _hidden(model, cache: PagedHybridCache, b: StepBatch, routed_fn=None):
     if routed_fn is None and model.execution is not None:
         routed_fn = model.execution.routed_fn()
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     pool = cache.pool
     for layer, idx in zip(model.model.layers, layer_indices(model.model.layers)):
-        h, pool = _layer(layer, h, pool, idx, b, attend, routed_fn)
+        h, pool = _layer(layer, h, pool, idx, b, routed_fn)
     return h, PagedHybridCache(pool)
 
 
-def serving_forward(model, cache: PagedHybridCache, b: StepBatch, attend, routed_fn=None):
+def serving_forward(model, cache: PagedHybridCache, b: StepBatch, routed_fn=None):
     """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code). `routed_fn`: how the
     MoE sums its routed experts (default: the model's execution's, e.g. `moe_ep` for a sharded model)."""
-    h, cache = _hidden(model, cache, b, attend, routed_fn)
+    h, cache = _hidden(model, cache, b, routed_fn)
     return _head(HeadParams(model), h, b), cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "backend", "return_logits"), donate_argnames=("cache",))
-def step_fn(graphdef, params, cache, batch: StepBatch, *, backend: str = "xla", return_logits: bool = False):
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_logits"), donate_argnames=("cache",))
+def step_fn(graphdef, params, cache, batch: StepBatch, *, return_logits: bool = False):
     """The fused step, one program: (next tokens [Sb] int32, logits [Sb, V] or None, new cache). The cache is
     donated (updated in place). For a loop, `FusedStep` runs the same program without re-hashing `graphdef`."""
-    return _step(nnx.merge(graphdef, params), cache, batch, backend, return_logits)
+    return _step(nnx.merge(graphdef, params), cache, batch, return_logits)
 
 
-def _step(model, cache, batch, backend, return_logits, routed_fn=None, speculative=False):
+def _step(model, cache, batch, return_logits, routed_fn=None, speculative=False):
     """(tokens, logits or None, cache): tokens [Sb], or with `speculative` the tuple of `_head_spec`."""
     if speculative:
-        h, cache = _hidden(model, cache, batch, attention_backend(backend), routed_fn)
+        h, cache = _hidden(model, cache, batch, routed_fn)
         toks, logits = _head_spec(HeadParams(model), h, batch)
         return toks, (logits if return_logits else None), cache
-    logits, cache = serving_forward(model, cache, batch, attention_backend(backend), routed_fn)
+    logits, cache = serving_forward(model, cache, batch, routed_fn)
     return _sample(logits, batch), (logits if return_logits else None), cache
 
 
@@ -640,11 +637,10 @@ def _program(kind: str, module, dp: DataParallel | None = None, execution=None):
 def _build_step(merge, dp, specs, execution):
     routed = None if dp is None else dp.routed_fn()  # else the merged model's own execution's
 
-    @functools.partial(jax.jit, static_argnames=("backend", "return_logits", "speculative"),
-                       donate_argnames=("cache",))
-    def run(leaves, cache, batch, *, backend, return_logits, speculative=False):
+    @functools.partial(jax.jit, static_argnames=("return_logits", "speculative"), donate_argnames=("cache",))
+    def run(leaves, cache, batch, *, return_logits, speculative=False):
         def local(leaves, cache, batch):
-            return _step(merge(leaves), cache, batch, backend, return_logits, routed, speculative)
+            return _step(merge(leaves), cache, batch, return_logits, routed, speculative)
         return _on_ranks(local, dp, specs)(leaves, cache, batch)
     return run
 
@@ -660,10 +656,10 @@ def _build_layer(merge, dp, specs, execution):
     src = dp if dp is not None else execution  # the rank's in-step exchange, else the model's (moe_ep), else none
     routed = None if src is None else src.routed_fn()
 
-    @functools.partial(jax.jit, static_argnames=("backend",), donate_argnames=("pool",))
-    def run(leaves, idx, h, pool, b, *, backend):
+    @functools.partial(jax.jit, donate_argnames=("pool",))
+    def run(leaves, idx, h, pool, b):
         def local(leaves, idx, h, pool, b):
-            return _layer(merge(leaves), h, pool, idx, b, attention_backend(backend), routed)
+            return _layer(merge(leaves), h, pool, idx, b, routed)
         return _on_ranks(local, dp, specs, shared=1)(leaves, idx, h, pool, b)
     return run
 
@@ -685,10 +681,10 @@ def _build_draft(merge, dp, specs, execution):
     src = dp if dp is not None else execution
     routed = None if src is None else src.routed_fn()
 
-    @functools.partial(jax.jit, static_argnames=("backend", "k"), donate_argnames=("cache",))
-    def run(leaves, cache, b, x, out, counts, *, backend, k):
+    @functools.partial(jax.jit, static_argnames=("k",), donate_argnames=("cache",))
+    def run(leaves, cache, b, x, out, counts, *, k):
         def local(leaves, cache, b, x, out, counts):
-            drafts, pool = _draft(merge(leaves), cache.pool, b, x, out, counts, k, attention_backend(backend), routed)
+            drafts, pool = _draft(merge(leaves), cache.pool, b, x, out, counts, k, routed)
             return drafts, PagedHybridCache(pool)
         return _on_ranks(local, dp, specs)(leaves, cache, b, x, out, counts)
     return run
@@ -705,10 +701,8 @@ class FusedStep:
     def __init__(self, model, dp: DataParallel | None = None):
         self.run, self.leaves = _program("step", model, dp)
 
-    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False,
-                 speculative=False):
-        return self.run(self.leaves, cache, batch, backend=backend, return_logits=return_logits,
-                        speculative=speculative)
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, return_logits=False, speculative=False):
+        return self.run(self.leaves, cache, batch, return_logits=return_logits, speculative=speculative)
 
 
 class LayerwiseStep:
@@ -730,14 +724,13 @@ class LayerwiseStep:
         self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
 
-    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, backend: str = "xla", return_logits=False,
-                 speculative=False):
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, *, return_logits=False, speculative=False):
         embed, leaves = self.embed
         h = embed(leaves, batch.tokens, dtype=self.dtype)
         pool = cache.pool
         views = {reads: batch_view(batch, reads) for reads in BATCH_FIELDS}
         for (layer, leaves), idx, reads in zip(self.layers, self.indices, self.reads):
-            h, pool = layer(leaves, idx, h, pool, views[reads], backend=backend)
+            h, pool = layer(leaves, idx, h, pool, views[reads])
         head, leaves = self.head
         toks, logits = head(leaves, h, views["head"], return_logits=return_logits, speculative=speculative)
         return toks, logits, PagedHybridCache(pool)
@@ -751,6 +744,5 @@ class DraftStep:
         execution = model.execution if dp is None else None
         self.run, self.leaves = _program("draft", DraftParams(model), dp, execution)
 
-    def __call__(self, cache: PagedHybridCache, batch: StepBatch, hidden, out, counts, *, k: int,
-                 backend: str = "xla"):
-        return self.run(self.leaves, cache, batch, hidden, out, counts, backend=backend, k=k)
+    def __call__(self, cache: PagedHybridCache, batch: StepBatch, hidden, out, counts, *, k: int):
+        return self.run(self.leaves, cache, batch, hidden, out, counts, k=k)

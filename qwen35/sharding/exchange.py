@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from qwen35.kernels.fp8 import ACT_BLOCK
+from qwen35.kernels import grouped_matmul as gmm_kernels  # called through the module: tests spy on its functions
+from qwen35.kernels.permute import rank_in_expert, sort_by_expert
 from qwen35.moe import capacity as moe_capacity
-from qwen35.config import ACT_BLOCK
-from qwen35.moe import experts_dense, experts_sorted, grouped_swiglu, sort_by_expert
+from qwen35.moe import experts_dense, experts_sorted, grouped_swiglu
 from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, mesh_axes_for
 
 
@@ -131,15 +133,6 @@ class EPStats(NamedTuple):
     capacity: int | None
 
 
-def _rank_in_expert(experts: jax.Array, num_experts: int) -> jax.Array:
-    """[t, k] position of each slot among this device's slots to the same expert, in token order."""
-    order, group_sizes = sort_by_expert(experts, num_experts)
-    starts = jnp.cumsum(group_sizes) - group_sizes
-    flat = experts.reshape(-1)
-    rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - starts[flat[order]]
-    return jnp.zeros(flat.shape, jnp.int32).at[order].set(rank_sorted).reshape(experts.shape)
-
-
 def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, scales=None, act_fp8=False):
     El, k = gate_up.shape[0], experts.shape[1]
     if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
@@ -150,11 +143,9 @@ def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, sca
         return experts_dense(x, weights, experts, gate_up, down, act_block=act_block)
     if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`backend="pallas"`); with `scales`, FP8 weights
         # read as FP8 tiles with their 128x128 block scales, and with `act_fp8` FP8 x FP8 products (W8A8)
-        from qwen35.kernels.grouped_matmul import experts_sorted_pallas  # lazy: the kernels import the model
-
         gs, ds = scales if scales is not None else (None, None)
-        return experts_sorted_pallas(x, weights, experts, gate_up, down, gate_up_scale=gs, down_scale=ds,
-                                     act_fp8=act_fp8)
+        return gmm_kernels.experts_sorted_pallas(x, weights, experts, gate_up, down, gate_up_scale=gs,
+                                                 down_scale=ds, act_fp8=act_fp8)
     return experts_sorted(x, weights, experts, gate_up, down, act_block=act_block)
 
 
@@ -202,7 +193,7 @@ def _alltoall_body(x, weights, experts, gate_up, down, *, ex_axes, tp_axes, all_
     n = jax.lax.axis_size(ex_axes)
     E = n * El
     dtype = x.dtype
-    rank = _rank_in_expert(experts, E)
+    rank = rank_in_expert(experts, E)
     keep = rank < C
     row = jnp.where(keep, rank, C)  # out of bounds: dropped on the way in, 0 on the way out
     token = jnp.broadcast_to(jnp.arange(t)[:, None], (t, k))
@@ -291,11 +282,9 @@ def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, 
         move = functools.partial(ragged_all_to_all_padded, axis_name=ex_axes, max_slice=t)
     x_recv = move(x_sorted, jnp.zeros((R, H), x.dtype), in_off, counts, out_off, recv)
     if grouped_impl == "pallas":
-        from qwen35.kernels.grouped_matmul import grouped_swiglu as grouped_swiglu_pallas  # lazy: kernels import us
-
         gs, ds = scales if scales else (None, None)
-        y_recv = grouped_swiglu_pallas(x_recv, group_sizes, gate_up, down, gate_up_scale=gs, down_scale=ds,
-                                       act_fp8=act_fp8)  # [R, H]
+        y_recv = gmm_kernels.grouped_swiglu(x_recv, group_sizes, gate_up, down, gate_up_scale=gs, down_scale=ds,
+                                            act_fp8=act_fp8)  # [R, H]
     else:
         y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl, act_block=act_block)
     # Back: this device's slices go to their sources; offsets here are where they landed (the all-to-all of the

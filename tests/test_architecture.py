@@ -1,0 +1,189 @@
+"""The package's floors, read from its sources (ast, nothing imported): kernels → layers → model → execution →
+engine, each importing only the floors below it.
+
+- No import cycle among the package's modules, counting imports inside functions too (a cycle hidden behind a
+  function-level import is still a cycle: each side needs the other to be understood).
+- Every file of `kernels/` imports only jax, numpy, the standard library and other kernels: a kernel's reference
+  and its shape checks live beside it, and it takes layouts as plain sizes.
+- The words that choose an implementation are a known list: a new parameter with a string or boolean default must
+  be classified here, so a new word is a decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Module name -> source file for the package (`qwen35/`) and its kernels (`kernels/`, installed as
+    `qwen35.kernels`)."""
+    mods = {}
+    for path in sorted(ROOT.glob("qwen35/**/*.py")) + sorted(ROOT.glob("kernels/*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[0] == "kernels":
+            parts = ["qwen35", *parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(path: pathlib.Path):
+    """(module name, line) of every import in the file, at any depth (module level, in functions, in classes)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module, node.lineno
+            for alias in node.names:  # `from qwen35 import sharding` imports the submodule
+                yield f"{node.module}.{alias.name}", node.lineno
+
+
+def _graph() -> dict[str, dict[str, int]]:
+    mods = _modules()
+    graph = {}
+    for name, path in mods.items():
+        deps = {}
+        for target, line in _imports(path):
+            if target in mods and target != name:
+                deps.setdefault(target, line)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_the_package():
+    """The walk finds the floors (so the checks below are not vacuous)."""
+    graph = _graph()
+    for name in ("qwen35.kernels.delta_rule", "qwen35.kernels.grouped_matmul", "qwen35.gdn", "qwen35.moe",
+                 "qwen35.model", "qwen35.serving.runner", "qwen35.sharding.exchange"):
+        assert name in graph
+    assert "qwen35.kernels.delta_rule" in graph["qwen35.gdn"]
+    assert "qwen35.kernels.grouped_matmul" in graph["qwen35.moe"]
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles = _cycles(graph)
+    detail = [f"{a} -> {b} (line {graph[a][b]})" for comp in cycles for a in comp for b in graph[a] if b in comp]
+    assert not cycles, ("import cycles (function-level imports count): move the shared code down a floor\n  "
+                        + "\n  ".join(detail))
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_kernels_import_only_jax_numpy_and_other_kernels():
+    allowed = {"jax", "numpy", "__future__"} | set(sys.stdlib_module_names)
+    bad = []
+    for path in sorted(ROOT.glob("kernels/*.py")):
+        for target, line in _imports(path):
+            top = target.split(".")[0]
+            if top == "qwen35":
+                if not (target == "qwen35.kernels" or target.startswith("qwen35.kernels.")):
+                    bad.append(f"kernels/{path.name}:{line} imports {target}")
+            elif top not in allowed:
+                bad.append(f"kernels/{path.name}:{line} imports {target}")
+    assert not bad, "kernels are the ground floor (jax, numpy, other kernels only):\n  " + "\n  ".join(bad)
+
+
+# Parameters and fields that choose how an operation runs (an implementation), as the package has them today.
+IMPLEMENTATION_WORDS = {
+    "backend",         # "xla" | "pallas": the config's, read by attention, the GDN and the MoE alike
+    "impl",            # the MoE's expert path ("dense" | "sorted" | "capacity"), and the grouped matmul's
+    "moe_impl",        # the model constructor's name for the MoE's `impl`
+    "grouped_impl",    # the sorted path's grouped matmul ("auto" | "tiles" | "ragged_dot")
+    "local_impl",      # the expert-parallel exchange's local experts
+    "scheme",          # the expert-parallel exchange ("allgather" | "alltoall" | "ragged")
+    "moe_exchange",    # shard_model's name for the exchange's `scheme`
+    "transport",       # how the ragged exchange moves rows ("auto" | "native" | "padded")
+    "native",          # the same, resolved for one mesh
+    "fused",           # the engine's step as one program or one per layer
+    "act_fp8",         # W8A8: FP8 activations beside FP8 experts
+    "fp8_as_stored",   # FP8 experts handed to the kernels as stored, or dequantised
+    "fp8_tiles",       # the same, inside the exchange
+    "gate_up_layout",  # tensor-parallel experts' gate_up rows, regrouped or as stored
+}
+# Every other option with a string or boolean default: what it computes or reports, not how.
+OTHER_OPTIONS = {
+    "activation", "attention", "attn_implementation", "axis_types", "dequantize_fp8", "desc", "description",
+    "dtype", "enable_chunked_prefill", "exchange", "expert_layout", "experts", "fp8", "fp8_experts", "hardware",
+    "hidden_act", "layout", "model", "mtp", "name", "normalize", "notes", "precision", "progress", "record_history",
+    "return_cache", "return_logits", "return_stats", "speculative", "split", "step", "use_qk_l2norm", "verify_only",
+    "which", "zero_centred",
+}
+
+
+def _options() -> dict[str, set[str]]:
+    """Name -> where: every public parameter with a string or boolean default, and every class field with a string
+    default, in the package and its kernels."""
+    found: dict[str, set[str]] = {}
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                pos = a.posonlyargs + a.args
+                pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults))
+                pairs += [(x, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+                for arg, d in pairs:
+                    if isinstance(d, ast.Constant) and isinstance(d.value, (str, bool)) and not arg.arg.startswith("_"):
+                        found.setdefault(arg.arg, set()).add(f"{name}.{node.name}")
+            elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                  and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):
+                found.setdefault(node.target.id, set()).add(name)
+    return found
+
+
+def test_no_new_word_chooses_an_implementation():
+    found = _options()
+    unknown = {k: sorted(v) for k, v in found.items() if k not in IMPLEMENTATION_WORDS | OTHER_OPTIONS}
+    assert not unknown, (
+        "new options with a string or boolean default: if one chooses how an operation runs, use an existing "
+        "word (IMPLEMENTATION_WORDS) instead of a new one; otherwise add it to OTHER_OPTIONS. " + repr(unknown))
+    assert "backend" in found and "scheme" in found  # the scan sees today's words
+
+
+def test_fp8_constants_agree():
+    """The jax-free config and the kernels' FP8 module hold the same block sizes."""
+    from qwen35 import config
+    from qwen35.kernels import fp8
+
+    assert (config.FP8_BLOCK, config.ACT_BLOCK) == (fp8.FP8_BLOCK, fp8.ACT_BLOCK)
