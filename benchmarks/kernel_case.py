@@ -23,7 +23,7 @@ class Case:
     """One benchmark: `build()` returns (kernel_fn or None, reference_fn, args, flops, bytes)."""
 
     name: str
-    kernel: str  # "chunked_gdn" | "fused_gdn_decode" | "paged_gdn_decode" | "reduce_scatter"
+    kernel: str  # which kernel, e.g. "ragged_paged_attention", "grouped_swiglu", "paged_gdn_decode"
     size: str  # "realistic" (accelerators) | "correctness" (CPU)
     build: Callable[[], tuple[Callable | None, Callable, tuple, float, float]]
     min_devices: int = 1

@@ -121,12 +121,16 @@ def _decode_case(B, Hk, Hv, D, state_dtype, Kc=4, dtype=jnp.bfloat16):
 
 # ------------------------------------------------------------------------------------------------------------
 # Paged decode: the states read and written in the serving pool by index
-def _paged_case(B, page_size, pool_dtype, cfg_fn):
+def _paged_case(B, page_size, pool_dtype, cfg_fn, conv=False):
     """The kernel against the XLA path it replaces (gather the rows' states out of the pool, the rule, scatter them
     back), both updating the pool in place (donated). g = 0 and beta = 0 make the step leave every state exactly as
-    it was (decay 1, no write) while moving every byte, so repeated calls agree on o however many each side runs."""
+    it was (decay 1, no write) while moving every byte, so repeated calls agree on o however many each side runs.
+    With `conv`, the whole decode step (`paged_conv_gdn_decode`: conv window, conv, gates, rule) against gather +
+    `fused_gdn_decode_reference` + scatter; zero conv weights make q = k = v = 0 (o = 0) and A_log = b = -30 make
+    the decay 1 and the write 0, so the states stay put while every byte moves."""
     def build():
-        from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, paged_gdn_decode_reference
+        from qwen35.kernels.paged_gdn_decode import (paged_conv_gdn_decode, paged_conv_gdn_decode_reference,
+                                                     paged_gdn_decode, paged_gdn_decode_reference)
         from qwen35.serving.cache import init_paged_cache, pool_layout, write_rec
 
         cfg = cfg_fn()
@@ -141,9 +145,16 @@ def _paged_case(B, page_size, pool_dtype, cfg_fn):
         args = (unit(jax.random.normal(ks[2], (B, Hv, Dk))), unit(jax.random.normal(ks[3], (B, Hv, Dk))),
                 jnp.ones((B, Hv, Dv)), jnp.zeros((B, Hv)), jnp.zeros((B, Hv)))
         fresh = jnp.zeros((B,), bool)
+        heads = {}
+        if conv:
+            C, Kc = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+            args = (jax.random.normal(ks[2], (B, C)), jnp.zeros((B, Hv)), jnp.full((B, Hv), -30.0),
+                    jnp.zeros((C, Kc)), jnp.full((Hv,), -30.0), jnp.zeros((Hv,)))
+            heads = dict(num_k_heads=cfg.linear_num_key_heads, head_k_dim=Dk, head_v_dim=Dv)
 
         def in_place(step):  # the pool lives in the closure, donated to every call (as the engine's step does)
-            jitted = jax.jit(lambda pool, *a: step(*a, pool, blocks, fresh, jnp.int32(0), lay), donate_argnums=0)
+            jitted = jax.jit(lambda pool, *a: step(*a, pool, blocks, fresh, jnp.int32(0), lay, **heads),
+                             donate_argnums=0)
             box = {"pool": jnp.array(pool, copy=True)}
 
             def run(*a):
@@ -153,10 +164,12 @@ def _paged_case(B, page_size, pool_dtype, cfg_fn):
 
         kernel = None
         if jax.default_backend() in ("tpu", "cpu"):
-            kernel = in_place(paged_gdn_decode)
-        reference = in_place(paged_gdn_decode_reference)
+            kernel = in_place(paged_conv_gdn_decode if conv else paged_gdn_decode)
+        reference = in_place(paged_conv_gdn_decode_reference if conv else paged_gdn_decode_reference)
         s_bytes = B * Hv * Dk * Dv * 4  # float32 states (two bf16 planes in a bf16 pool: the same bytes)
         nbytes = 2 * s_bytes + B * Hv * (2 * Dk + 2 * Dv + 2) * 4  # states read + written, q k v o g beta
+        if conv:  # + the conv windows read and written, the token's columns in
+            nbytes += 2 * B * lay.conv_elems * jnp.dtype(pool.dtype).itemsize + B * cfg.linear_conv_dim * 4
         flops = 6.0 * B * Hv * Dk * Dv
         return kernel, reference, args, flops, nbytes
 
@@ -216,6 +229,8 @@ CASES: list[Case] = [
          _decode_case(64, state_dtype=jnp.bfloat16, **Q35)),
     Case("paged_gdn_decode B=64 from a bf16 pool (256-token pages)", "paged_gdn_decode", "realistic",
          _paged_case(64, 256, jnp.bfloat16, _q35_gdn_config)),
+    Case("paged_conv_gdn_decode B=64, bf16 pool (conv + rule)", "paged_conv_gdn_decode", "realistic",
+         _paged_case(64, 256, jnp.bfloat16, _q35_gdn_config, conv=True)),
     # The kernel keeps its input, output and receive slots in VMEM: 2 MiB per device fits every TPU's scoped VMEM.
     Case("reduce_scatter 1024x1024 bf16 per device", "reduce_scatter", "realistic", _rs_case(1024, 1024),
          min_devices=2),
@@ -226,6 +241,8 @@ CASES: list[Case] = [
          _decode_case(4, Hk=2, Hv=4, D=16, state_dtype=jnp.float32, dtype=jnp.float32)),
     Case("paged_gdn_decode tiny B=4 from a bf16 pool", "paged_gdn_decode", "correctness",
          _paged_case(4, 4, jnp.bfloat16, _tiny_config)),
+    Case("paged_conv_gdn_decode tiny B=4, bf16 pool", "paged_conv_gdn_decode", "correctness",
+         _paged_case(4, 4, jnp.bfloat16, _tiny_config, conv=True)),
     Case("reduce_scatter tiny 2x4 mesh", "reduce_scatter", "correctness", _rs_case(32, 16, jnp.float32, micro=2),
          min_devices=8),
 ]

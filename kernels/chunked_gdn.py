@@ -16,7 +16,7 @@ The kernel (per value head h, a flat work list of (sequence, chunk) items, in or
   scratch to the next chunk. The first chunk of a sequence loads its initial state; every item leaves S in the
   final-state block of its sequence, which Pallas writes back when the sequence changes.
 
-Per chunk (positions i, j; G the cumulative log-decay inside the chunk; as `qwen35.kernels.delta_rule.chunk_gated_delta_rule`):
+Per chunk (positions i, j; G the cumulative log-decay inside the chunk; as `delta_rule.chunk_gated_delta_rule`):
   A_ij = β_i (k_i·k_j) exp(G_i − G_j), j < i;   M⁻¹ = (I + A)⁻¹ by the Neumann product (I−A)(I+A²)(I+A⁴)…
   U = M⁻¹(β ⊙ V);  W = M⁻¹(β ⊙ exp(G) ⊙ K);  V' = U − W S
   O = (Q ⊙ exp(G)) S + [(Q Kᵀ) ⊙ exp(G_i − G_j)]_{j ≤ i} V';   S ← exp(G_C) S + (K ⊙ exp(G_C − G))ᵀ V'
@@ -98,7 +98,7 @@ def chunked_gdn_reference(q, k, v, g, beta, cu_seqlens, *, initial_state=None, s
                           chunk_size=64):
     """Pure-JAX reference for the packed layout, the way an XLA path handles ragged prompts: scatter them into a
     zero-padded [N, max_len] batch (padding has g = 0 and beta = 0: no decay, no write, so each final state is the
-    state after the prompt's last real token), repeat the key heads, run `qwen35.kernels.delta_rule.chunk_gated_delta_rule` once,
+    state after the prompt's last real token), repeat the key heads, run `delta_rule.chunk_gated_delta_rule` once,
     gather the real tokens back. cu_seqlens must be concrete (a list or numpy array).
     Returns (o [T, Hv, Dv] in q's dtype, final_state [N, Hv, Dk, Dv] float32)."""
     check_packed_inputs(q, k, v, g, beta, jnp.asarray(cu_seqlens), initial_state)
@@ -302,7 +302,7 @@ def chunked_gdn_packed(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scal
 
 def chunk_gated_delta_rule_pallas(q, k, v, g, beta, *, chunk_size=64, initial_state=None, scale=None,
                                   use_qk_l2norm=False, interpret=None):
-    """Drop-in for `qwen35.kernels.delta_rule.chunk_gated_delta_rule` on a [B, T, ...] batch of equal-length sequences (they are
+    """Drop-in for `delta_rule.chunk_gated_delta_rule` on a [B, T, ...] batch of equal-length sequences (they are
     packed back to back, T each). q, k may have fewer heads than v (grouped heads, no repeat needed).
     Returns (o [B, T, Hv, Dv] in q's dtype, final_state [B, Hv, Dk, Dv] float32)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -502,7 +502,7 @@ def chunked_gdn_conv_packed(mixed, conv_weight, g, beta, cu_seqlens, *, num_k_he
 
 def chunked_gdn_conv_reference(mixed, conv_weight, g, beta, cu_seqlens, *, num_k_heads: int, head_k_dim: int,
                                conv_state=None, initial_state=None, scale=None, use_qk_l2norm=True, chunk_size=64):
-    """The unfused path the fused kernel replaces: `qwen35.kernels.delta_rule.causal_conv1d` per sequence (with its conv state),
+    """The unfused path the fused kernel replaces: `delta_rule.causal_conv1d` per sequence (with its conv state),
     the columns split into heads, then `chunked_gdn_reference`. cu_seqlens concrete. Same returns."""
 
     cu = np.asarray(cu_seqlens, np.int64)

@@ -43,7 +43,8 @@ from qwen35.kernels.fp8 import (ACT_BLOCK, FP8_BLOCK, dequantize_fp8_activations
 from qwen35.kernels.interpret import default_interpret
 from qwen35.kernels.permute import permute, sort_by_expert, unpermute
 
-__all__ = ["check_routed", "check_expert_weights", "grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
+__all__ = ["check_routed", "check_expert_weights",
+           "grouped_swiglu", "grouped_swiglu_reference", "experts_sorted_pallas", "gmm_swiglu", "gmm",
            "group_metadata", "gmm_cost", "expand_fp8_scales", "quantize_fp8_activations",
            "dequantize_fp8_activations", "expand_act_scales", "grouped_swiglu_w8a8_reference", "ACT_BLOCK"]
 

@@ -5,7 +5,10 @@ docstring draws the whole layout) and the paged GDN decode kernel both address t
   pool [2A, num_blocks, unit]: a block is a column of 2A units. GDN layer j's state is units
   u = j·layer_units + 0 .. layer_units − 1 of its row's state, unit u at pool[u mod 2A, blocks[u div 2A]]:
   first the recurrent state's units (float32 values as one plane of bits in a uint32 pool, as two planes — the
-  high 16 bits of every value, then the low 16 bits — in a uint16 pool), then the conv state's.
+  high 16 bits of every value, then the low 16 bits — in a uint16 pool), then the conv state's: its Kc taps one
+  after another (tap-major, [Kc, conv_dim]), each padded to whole rows of 128 lanes (`conv_stride`), in the cache
+  dtype's bits. Tap-major rows let a kernel shift the window (drop the oldest tap, append the token) by moving
+  whole rows of VMEM; channel-major [conv_dim, Kc] would need a lane shuffle.
 """
 
 from __future__ import annotations
@@ -15,8 +18,26 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PoolLayout", "state_units", "gather_units", "scatter_units", "join_halves", "split_halves",
-           "rec_from_bits", "rec_to_bits", "read_recurrent", "write_recurrent"]
+__all__ = ["PoolLayout", "LANES", "value_dtype", "conv_stride", "state_units", "gather_units", "scatter_units",
+           "join_halves", "split_halves", "rec_from_bits", "rec_to_bits", "read_recurrent", "write_recurrent",
+           "read_conv_state", "write_conv_state"]
+
+LANES = 128  # a TPU vector register's lanes: a VMEM row
+_VALUE = {jnp.dtype(jnp.uint32): jnp.dtype(jnp.float32), jnp.dtype(jnp.uint16): jnp.dtype(jnp.bfloat16)}
+
+
+def value_dtype(bits_dtype) -> jnp.dtype:
+    """The cache dtype a pool of `bits_dtype` stores: float32 in uint32, bfloat16 in uint16."""
+    try:
+        return _VALUE[jnp.dtype(bits_dtype)]
+    except KeyError:
+        raise ValueError(f"a pool holds uint32 (float32) or uint16 (bfloat16) bits, got "
+                         f"{jnp.dtype(bits_dtype)}") from None
+
+
+def conv_stride(conv_dim: int) -> int:
+    """Pool elements one conv tap takes: conv_dim rounded up to whole rows of `LANES`."""
+    return -(-conv_dim // LANES) * LANES
 
 
 class PoolLayout(NamedTuple):
@@ -52,8 +73,9 @@ def state_units(lay: PoolLayout, j, blocks: jax.Array):
 
 def gather_units(lay: PoolLayout, pool, which, ids, first: int, elems: int):
     """[R, elems]: the first `elems` elements of a GDN layer's state part that starts at unit `first`, for every
-    row (rows at an id past the pool (`NO_BLOCK`) read zeros). Only the used part of a last, part-filled unit is read (a conv state
-    often fills an eighth of its unit): the whole units in one gather, the used prefix of the last in another."""
+    row (rows at an id past the pool, `NO_BLOCK`, read zeros). Only the used part of a last, part-filled unit is
+    read (a conv state often fills a small share of its unit): the whole units in one gather, the used prefix of
+    the last in another."""
     full, rest = divmod(elems, lay.unit)
     R, parts = ids.shape[0], []
     if full:
@@ -66,8 +88,8 @@ def gather_units(lay: PoolLayout, pool, which, ids, first: int, elems: int):
 
 
 def scatter_units(lay: PoolLayout, pool, which, ids, first: int, x):
-    """`pool` with the state part that starts at unit `first` set to x [R, elems] for every row (rows at an id past the pool (`NO_BLOCK`)
-    dropped): whole units in one scatter, the used prefix of a last, part-filled unit in another (the rest of
+    """`pool` with the state part that starts at unit `first` set to x [R, elems] for every row (rows at an id past
+    the pool, `NO_BLOCK`, dropped): whole units in one scatter, the used prefix of a last, part-filled unit in another (the rest of
     that unit is never read, so it is not written)."""
     R, elems = x.shape
     full, rest = divmod(elems, lay.unit)
@@ -122,3 +144,22 @@ def write_recurrent(lay: PoolLayout, pool: jax.Array, j, blocks: jax.Array, rec:
     row; writes of rows at an id past the pool are dropped): a scatter into that layer's recurrent units."""
     which, ids = state_units(lay, j, blocks)
     return scatter_units(lay, pool, which, ids, 0, rec_to_bits(rec.reshape(blocks.shape[0], -1), pool.dtype))
+
+
+def read_conv_state(lay: PoolLayout, pool: jax.Array, j, blocks: jax.Array, conv_dim: int, Kc: int) -> jax.Array:
+    """GDN layer j's conv states [R, conv_dim, Kc] in the cache dtype for rows with state blocks `blocks` (rows at
+    an id past the pool read zeros): a gather of that layer's conv units, tap-major in the pool."""
+    which, ids = state_units(lay, j, blocks)
+    bits = gather_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems)
+    taps = jax.lax.bitcast_convert_type(bits, value_dtype(pool.dtype)).reshape(-1, Kc, conv_stride(conv_dim))
+    return jnp.swapaxes(taps[:, :, :conv_dim], 1, 2)
+
+
+def write_conv_state(lay: PoolLayout, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
+    """The pool with GDN layer j's conv states of rows `blocks` replaced by conv [R, conv_dim, Kc] (cast to the cache
+    dtype; writes of rows at an id past the pool are dropped): a scatter into that layer's conv units."""
+    R, C, _ = conv.shape
+    taps = jnp.pad(jnp.swapaxes(conv.astype(value_dtype(pool.dtype)), 1, 2), ((0, 0), (0, 0), (0, conv_stride(C) - C)))
+    which, ids = state_units(lay, j, blocks)
+    bits = jax.lax.bitcast_convert_type(taps, pool.dtype).reshape(R, -1)
+    return scatter_units(lay, pool, which, ids, lay.rec_units, bits)

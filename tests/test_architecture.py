@@ -1,8 +1,8 @@
-"""The package's floors, read from its sources (ast, nothing imported): kernels → layers → model → execution →
-engine, each importing only the floors below it.
+"""The package's floors, read from its sources (`qwen35.floors`: ast, nothing imported): kernels → layers → model →
+execution → serving, each importing only its own floor and the floors below it.
 
 - No import cycle among the package's modules, counting imports inside functions too (a cycle hidden behind a
-  function-level import is still a cycle: each side needs the other to be understood).
+  function-level import is still a cycle: each side needs the other to be understood), and no import upward.
 - Every file of `kernels/` imports only jax, numpy, the standard library and other kernels: a kernel's reference
   and its shape checks live beside it, and it takes layouts as plain sizes.
 - The words that choose an implementation are a known list: a new parameter with a string or boolean default must
@@ -12,85 +12,13 @@ engine, each importing only the floors below it.
 from __future__ import annotations
 
 import ast
-import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _modules() -> dict[str, pathlib.Path]:
-    """Module name -> source file for the package (`qwen35/`) and its kernels (`kernels/`, installed as
-    `qwen35.kernels`)."""
-    mods = {}
-    for path in sorted(ROOT.glob("qwen35/**/*.py")) + sorted(ROOT.glob("kernels/*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[0] == "kernels":
-            parts = ["qwen35", *parts]
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = path
-    return mods
-
-
-def _imports(path: pathlib.Path):
-    """(module name, line) of every import in the file, at any depth (module level, in functions, in classes)."""
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield alias.name, node.lineno
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.module, node.lineno
-            for alias in node.names:  # `from qwen35 import sharding` imports the submodule
-                yield f"{node.module}.{alias.name}", node.lineno
-
-
-def _graph() -> dict[str, dict[str, int]]:
-    mods = _modules()
-    graph = {}
-    for name, path in mods.items():
-        deps = {}
-        for target, line in _imports(path):
-            if target in mods and target != name:
-                deps.setdefault(target, line)
-        graph[name] = deps
-    return graph
-
-
-def _cycles(graph) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan's algorithm)."""
-    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in graph:
-        if v not in index:
-            visit(v)
-    return out
-
+from qwen35.floors import FLOORS, cycles, floor_of, import_graph, imports, modules, upward_imports
 
 def test_the_graph_sees_the_package():
     """The walk finds the floors (so the checks below are not vacuous)."""
-    graph = _graph()
+    graph = import_graph()
     for name in ("qwen35.kernels.delta_rule", "qwen35.kernels.grouped_matmul", "qwen35.gdn", "qwen35.moe",
                  "qwen35.model", "qwen35.serving.runner", "qwen35.sharding.exchange"):
         assert name in graph
@@ -99,29 +27,40 @@ def test_the_graph_sees_the_package():
 
 
 def test_no_import_cycles():
-    graph = _graph()
-    cycles = _cycles(graph)
-    detail = [f"{a} -> {b} (line {graph[a][b]})" for comp in cycles for a in comp for b in graph[a] if b in comp]
-    assert not cycles, ("import cycles (function-level imports count): move the shared code down a floor\n  "
-                        + "\n  ".join(detail))
+    graph = import_graph()
+    found = cycles(graph)
+    detail = [f"{a} -> {b} (line {graph[a][b]})" for comp in found for a in comp for b in graph[a] if b in comp]
+    assert not found, ("import cycles (function-level imports count): move the shared code down a floor\n  "
+                       + "\n  ".join(detail))
 
 
-def test_the_cycle_check_finds_a_cycle():
-    assert _cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
-    assert _cycles({"a": {"b": 1}, "b": {}}) == []
+def test_no_floor_imports_a_floor_above_it():
+    up = upward_imports(import_graph())
+    assert not up, f"imports upward ({' < '.join(FLOORS)}):\n  " + "\n  ".join(up)
+
+
+def test_the_checks_find_a_cycle_and_an_upward_import():
+    assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b": 1}, "b": {}}) == []
+    assert [floor_of(m) for m in ("qwen35.kernels.fp8", "qwen35.gdn", "qwen35.model", "qwen35.sharding.exchange",
+                                  "qwen35.serving.runner", "qwen35.roofline")] == [0, 1, 2, 3, 4, 5]
+    assert upward_imports({"qwen35.moe": {"qwen35.serving.cache": 7}, "qwen35.serving.cache": {}}) == [
+        "qwen35.moe -> qwen35.serving.cache (line 7)"]
 
 
 def test_kernels_import_only_jax_numpy_and_other_kernels():
     allowed = {"jax", "numpy", "__future__"} | set(sys.stdlib_module_names)
     bad = []
-    for path in sorted(ROOT.glob("kernels/*.py")):
-        for target, line in _imports(path):
+    kernel_files = {m: p for m, p in modules().items() if floor_of(m) == 0}
+    assert len(kernel_files) > 8
+    for module, path in kernel_files.items():
+        for target, line in imports(path):
             top = target.split(".")[0]
             if top == "qwen35":
                 if not (target == "qwen35.kernels" or target.startswith("qwen35.kernels.")):
-                    bad.append(f"kernels/{path.name}:{line} imports {target}")
+                    bad.append(f"{module}:{line} imports {target}")
             elif top not in allowed:
-                bad.append(f"kernels/{path.name}:{line} imports {target}")
+                bad.append(f"{module}:{line} imports {target}")
     assert not bad, "kernels are the ground floor (jax, numpy, other kernels only):\n  " + "\n  ".join(bad)
 
 
@@ -156,7 +95,7 @@ def _options() -> dict[str, set[str]]:
     """Name -> where: every public parameter with a string or boolean default, and every class field with a string
     default, in the package and its kernels."""
     found: dict[str, set[str]] = {}
-    for name, path in _modules().items():
+    for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args

@@ -308,12 +308,13 @@ def test_benchmark_cases_split_by_backend_and_a_cpu_case_runs():
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
     kinds = {c.kernel for c in mod.CASES}
-    assert kinds == {"chunked_gdn", "fused_gdn_decode", "paged_gdn_decode", "reduce_scatter"}
+    assert kinds == {"chunked_gdn", "fused_gdn_decode", "paged_gdn_decode", "paged_conv_gdn_decode",
+                     "reduce_scatter"}
     for c in mod.CASES:  # on this CPU: the realistic sizes say why they skip, the correctness sizes apply
         ok, why = c.applies("cpu", 8)
         assert ok == (c.size == "correctness") and (ok or why)
         assert c.applies("tpu", 8)[0] == (c.size == "realistic")
-    for kernel in ("fused_gdn_decode", "paged_gdn_decode"):
+    for kernel in ("fused_gdn_decode", "paged_gdn_decode", "paged_conv_gdn_decode"):
         case = next(c for c in mod.CASES if c.kernel == kernel and c.size == "correctness")
         row = case.run(repeats=1)
         assert row["kernel_s"] > 0 and row["reference_s"] > 0 and row["flops"] > 0 and row["bytes"] > 0
@@ -329,6 +330,37 @@ PAGED_CASES = [
 ]
 
 
+def _scattered_pool(rng, cfg, page_size, dtype):
+    """(layout, pool, blocks [4, state_blocks]): the tiny preset's pool, every unit holding random bits, then real
+    conv and recurrent states (random bits are not all finite floats) in every GDN layer of three rows with
+    scattered state blocks, and a fourth, padding row at NO_BLOCK."""
+    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, pool_layout, write_state
+
+    lay = pool_layout(cfg, page_size, dtype)
+    NB = 3 * lay.state_blocks + 4
+    pool = init_paged_cache(cfg, NB, page_size, dtype).pool
+    pool = jnp.asarray(rng.integers(0, 2 ** 14, pool.shape), pool.dtype)
+    ids = rng.permutation(np.arange(1, NB))[:3 * lay.state_blocks].reshape(3, -1)
+    blocks = jnp.asarray(np.concatenate([ids, np.full((1, lay.state_blocks), NO_BLOCK)]), jnp.int32)
+    shapes = ((cfg.linear_conv_dim, cfg.linear_conv_kernel_dim),
+              (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+    for j in range(cfg.num_linear_layers):
+        conv, rec = (jnp.asarray(rng.standard_normal((4, *shape)), jnp.float32) for shape in shapes)
+        pool = write_state(cfg, pool, j, blocks, conv, rec)
+    return lay, pool, blocks
+
+
+def _units_written(lay, shape, blocks, j, units):
+    """[pool shape] bool: units `units` (a range, within a layer's) of GDN layer j in the three real rows' blocks
+    (the kernels write whole units: a part-filled last unit's unused tail too)."""
+    written = np.zeros(shape, bool)
+    for r in range(3):
+        for u in units:
+            u += j * lay.layer_units
+            written[u % lay.units_per_block, int(blocks[r, u // lay.units_per_block])] = True
+    return written
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype, page_size", PAGED_CASES)
 def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
@@ -338,18 +370,12 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
     program (the layer index traced). Outputs and new states agree to float32 rounding; every pool element outside
     the rows' recurrent units of that layer keeps its bits (the other layers, the conv units, the K/V pages)."""
     from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, paged_gdn_decode_reference
-    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, pool_layout, read_rec, write_rec
+    from qwen35.serving.cache import read_rec
 
     cfg = tiny()
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    lay = pool_layout(cfg, page_size, dtype)
-    B, NB = 4, 3 * lay.state_blocks + 4
-    pool = init_paged_cache(cfg, NB, page_size, dtype).pool
-    pool = jnp.asarray(rng.integers(0, 2 ** 14, pool.shape), pool.dtype)  # every unit holds something
-    ids = rng.permutation(np.arange(1, NB))[:3 * lay.state_blocks].reshape(3, -1)
-    blocks = jnp.asarray(np.concatenate([ids, np.full((1, lay.state_blocks), NO_BLOCK)]), jnp.int32)
-    for j in range(cfg.num_linear_layers):  # real states in every layer (random bits are not all finite floats)
-        pool = write_rec(cfg, pool, j, blocks, jnp.asarray(rng.standard_normal((B, Hv, Dk, Dv)), jnp.float32))
+    B = 4
+    lay, pool, blocks = _scattered_pool(rng, cfg, page_size, dtype)
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731  (q and k arrive L2-normalised)
     q = jnp.asarray(unit(rng.standard_normal((B, Hv, Dk))), jnp.float32)
     k = jnp.asarray(unit(rng.standard_normal((B, Hv, Dk))), jnp.float32)
@@ -367,12 +393,68 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
         assert_close(np.asarray(o)[:3], np.asarray(ro)[:3], terms=terms, name=f"layer {j} o")
         assert_close(read_rec(cfg, new, j, blocks)[:3], read_rec(cfg, rpool, j, blocks)[:3], terms=terms,
                      name=f"layer {j} new states")
-        written = np.zeros(pool.shape, bool)  # the three rows' recurrent units of layer j (the kernel writes
-        for r in range(3):                     # whole units: a part-filled last unit's unused tail too)
-            for u in range(j * lay.layer_units, j * lay.layer_units + lay.rec_units):
-                written[u % lay.units_per_block, int(blocks[r, u // lay.units_per_block])] = True
+        written = _units_written(lay, pool.shape, blocks, j, range(lay.rec_units))  # the recurrent units
         np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(pool)[~written])
     assert run._cache_size() == 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dtype, page_size", PAGED_CASES)
+def test_paged_conv_decode_matches_gather_conv_rule_scatter(rng, dtype, page_size):
+    """`paged_conv_gdn_decode` (the engine's decode step with backend="pallas": conv window, conv + SiLU, gates and
+    rule, both states by block id) against gather + `fused_gdn_decode_reference` (`causal_conv1d_update`,
+    `gated_delta_rule_step`) + scatter, on the tiny preset's pool with scattered state blocks: a row mid-sequence,
+    a fresh row (its stale blocks ignored), a padding row at NO_BLOCK (nothing read or written). Outputs and
+    recurrent states agree to float32 rounding, the conv windows bit for bit; every pool element outside the rows'
+    units of that layer keeps its bits."""
+    from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode, paged_conv_gdn_decode_reference
+    from qwen35.serving.cache import read_conv, read_rec
+
+    cfg = tiny()
+    Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                      cfg.linear_value_head_dim)
+    C, Kc = cfg.linear_conv_dim, cfg.linear_conv_kernel_dim
+    B = 4
+    lay, pool, blocks = _scattered_pool(rng, cfg, page_size, dtype)
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    args = (f(B, C), f(B, Hv), f(B, Hv), 0.5 * f(C, Kc), 0.1 * f(Hv), f(Hv))
+    heads = dict(num_k_heads=Hk, head_k_dim=Dk, head_v_dim=Dv)
+    fresh = jnp.asarray([False, True, False, False])
+    j = 4
+    with jax.default_matmul_precision("highest"):
+        ro, rpool = paged_conv_gdn_decode_reference(*args, pool, blocks, fresh, jnp.int32(j), lay, **heads)
+    o, new = paged_conv_gdn_decode(*args, jnp.array(pool, copy=True), blocks, fresh, jnp.int32(j), lay,
+                                   interpret=RACES, **heads)
+    assert_no_races()
+    terms = rule_terms(1, Dk, 1) + Kc
+    assert_close(np.asarray(o)[:3], np.asarray(ro)[:3], terms=terms, name="o")
+    assert_close(read_rec(cfg, new, j, blocks)[:3], read_rec(cfg, rpool, j, blocks)[:3], terms=terms,
+                 name="new recurrent states")
+    np.testing.assert_array_equal(read_conv(cfg, new, j, blocks[:3], jnp.float32),
+                                  read_conv(cfg, rpool, j, blocks[:3], jnp.float32))
+    written = _units_written(lay, pool.shape, blocks, j, range(lay.layer_units))  # recurrent and conv units
+    np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(pool)[~written])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
+def test_paged_conv_decode_lowers_for_tpu(dtype):
+    """The Mosaic lowering on the 397B model's pool (256-token pages) for 64 decode rows with bf16 projections."""
+    from qwen35.config import get_preset
+    from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode
+    from qwen35.serving.cache import pool_layout
+
+    cfg = get_preset("qwen35-397b-a17b")
+    lay = pool_layout(cfg, 256, dtype)
+    B, Hv, D, C = 64, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_conv_dim
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    f = lambda *a: paged_conv_gdn_decode(*a, lay, num_k_heads=cfg.linear_num_key_heads, head_k_dim=D,  # noqa: E731
+                                         head_v_dim=D, interpret=False)
+    exp = jax.export.export(jax.jit(f), platforms=["tpu"])(
+        sds((B, C), bf16), sds((B, Hv), bf16), sds((B, Hv), bf16), sds((C, cfg.linear_conv_kernel_dim), bf16),
+        sds((Hv,), jnp.float32), sds((Hv,), jnp.float32),
+        sds((lay.units_per_block, 1000, lay.unit), jnp.uint16 if dtype == jnp.bfloat16 else jnp.uint32),
+        sds((B, lay.state_blocks), jnp.int32), sds((B,), jnp.bool_), sds((), jnp.int32))
+    assert "tpu_custom_call" in exp.mlir_module()
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
@@ -411,3 +493,11 @@ def test_paged_decode_bad_input_is_a_clear_error():
         paged_gdn_decode(*args[:5], pool.view(jnp.float32), *args[6:])  # values, not the pool's bits
     with pytest.raises(ValueError, match=r"v must be \[B, Hv, Dv\]"):
         paged_gdn_decode(*args[:2], z(3, 4, 24), *args[3:])
+    from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode
+
+    conv_args = (z(2, cfg.linear_conv_dim), z(2, 4), z(2, 4), z(cfg.linear_conv_dim, 4), z(4), z(4))
+    heads = dict(num_k_heads=2, head_k_dim=16, head_v_dim=24)
+    with pytest.raises(ValueError, match="is not Kc taps of conv_dim"):
+        paged_conv_gdn_decode(*conv_args, pool, *args[6:9], lay._replace(conv_elems=640), **heads)
+    with pytest.raises(ValueError, match="x_qkv has"):
+        paged_conv_gdn_decode(z(2, 150), *conv_args[1:], pool, *args[6:9], lay, **heads)

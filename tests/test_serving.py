@@ -531,7 +531,7 @@ def test_engine_with_the_pallas_backend_matches_generate():
 
     assert "name=_rpa" in jaxpr(1)  # the attention layer: ragged paged attention over the block tables
     gdn = jaxpr(0)  # the GDN layer: the paged decode kernel for every row, the chunked kernel for the prefill block
-    assert "name=_paged_gdn_decode" in gdn and "name=_chunked_gdn_conv_packed" in gdn and "pallas_call" in gdn
+    assert "name=_paged_conv_gdn_decode" in gdn and "name=_chunked_gdn_conv_packed" in gdn and "pallas_call" in gdn
     assert "name=gmm_swiglu" in gdn  # and the MoE: grouped matmul with the fused SwiGLU
 
 

@@ -243,7 +243,7 @@ def test_serving_step_lowers_for_tpu():
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), backend="pallas")
     m = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
     attention, moe = {"_rpa_kernel"}, {"_gmm_swiglu_kernel", "_gmm_kernel"}
-    decode, prefill = {"_paged_gdn_decode_kernel"}, {"_conv_chunked_gdn_kernel"}
+    decode, prefill = {"_paged_conv_gdn_kernel"}, {"_conv_chunked_gdn_kernel"}
     one = Engine(m, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64)
     dp = Engine(m, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
                 block_size=16, max_model_len=64, num_blocks=11)

@@ -19,13 +19,15 @@ Layout (`PagedHybridCache.pool`, per device; with the engine on a mesh every ran
   * a GDN state takes `state_blocks` whole blocks (a list of block ids, not necessarily adjacent). Its units,
     numbered u = 0, 1, ... across its blocks (unit u is pool[u mod 2A, blocks[u div 2A]]), hold every GDN layer's
     state in turn: layer j's recurrent state (Hv·Dk·Dv float32, in the order [Hv, Dk, Dv]; in a 16-bit pool
-    stored as two planes, the high 16 bits of every float32, then the low 16 bits) then its conv state
-    (conv_dim·Kc in the cache dtype), each rounded up to whole units, so no unit holds two layers' data. A layer
+    stored as two planes, the high 16 bits of every float32, then the low 16 bits) then its conv state (its Kc
+    taps one after another, each conv_dim values in the cache dtype padded to whole rows of 128 lanes), each
+    rounded up to whole units, so no unit holds two layers' data. A layer
     reads and writes only its data: whole units, and the used prefix of a part-filled last unit (a conv state
     often fills a small share of its unit; reading the whole unit would move several times its bytes). Planes,
     not interleaved halves: a kernel that DMAs a state into VMEM rebuilds each float32 from two same-shaped tiles
-    with a shift and an or (`join_halves`), where interleaved halves would need a lane shuffle
-    (`kernels/paged_gdn_decode.py` reads and writes the states in place that way).
+    with a shift and an or (`join_halves`), where interleaved halves would need a lane shuffle; tap-major conv
+    rows likewise shift the conv window by whole rows (`kernels/paged_gdn_decode.py` reads and writes both states
+    in place that way; `qwen35.kernels.state_pool` holds the addressing).
   * the pool holds bits, not numbers: K/V and states are bitcast in and out, so a float32 state survives a trip
     through 16-bit storage bit for bit. (Moving bfloat16 *values* is not safe for that: XLA:CPU computes bf16
     copies, pads and scatters through float32 and flushes the subnormal halves of a float32 to zero.)
@@ -57,11 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35.config import Qwen35Config
-from qwen35.kernels.state_pool import (PoolLayout, gather_units, join_halves, read_recurrent, rec_from_bits,
-                                       rec_to_bits, scatter_units, split_halves, state_units, write_recurrent)
+from qwen35.kernels.state_pool import (PoolLayout, conv_stride, join_halves, read_conv_state, read_recurrent,
+                                       rec_from_bits, rec_to_bits, split_halves, value_dtype, write_conv_state,
+                                       write_recurrent)
 
 __all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "layout_of", "PagedHybridCache",
-           "init_paged_cache", "pool_blocks", "read_state", "write_state", "read_conv", "read_rec", "write_conv", "write_rec",
+           "init_paged_cache", "pool_blocks", "read_state", "write_state", "read_conv", "read_rec", "write_conv",
+           "write_rec",
            "rec_from_bits", "rec_to_bits", "join_halves", "split_halves", "to_pool", "from_pool", "pool_dtype",
            "layout_bytes", "SCRATCH_PAGE", "NO_BLOCK"]
 
@@ -70,7 +74,6 @@ NO_BLOCK = np.iinfo(np.int32).max  # the state block of a padding row: outside e
 
 
 _STORAGE = {jnp.dtype(jnp.float32): jnp.dtype(jnp.uint32), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
-_VALUES = {v: k for k, v in _STORAGE.items()}
 
 
 def _storage(dtype) -> jnp.dtype:
@@ -82,7 +85,7 @@ def _storage(dtype) -> jnp.dtype:
 
 def pool_dtype(pool: jax.Array) -> jnp.dtype:
     """The cache dtype whose bits `pool` stores (float32 or bfloat16)."""
-    return _VALUES[jnp.dtype(pool.dtype)]
+    return value_dtype(pool.dtype)
 
 
 def to_pool(x: jax.Array, pool: jax.Array) -> jax.Array:
@@ -113,7 +116,7 @@ def pool_layout(config: Qwen35Config, page_size: int, dtype, *, attention_layers
     size = _storage(dtype).itemsize
     unit = page_size * c.num_key_value_heads * c.head_dim
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * (4 // size)
-    conv = c.linear_conv_dim * c.linear_conv_kernel_dim
+    conv = c.linear_conv_kernel_dim * conv_stride(c.linear_conv_dim)  # tap-major, each tap whole 128-lane rows
     rec_u, conv_u = -(-rec // unit), -(-conv // unit)
     blocks = -(-n_gdn * (rec_u + conv_u) // (2 * A))
     return PoolLayout(A, n_gdn, page_size, unit, rec_u, conv_u, rec, conv, blocks, 4 // size)
@@ -233,10 +236,9 @@ def read_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array) -> jax
 def read_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype) -> jax.Array:
     """GDN layer j's conv states [R, conv_dim, Kc] in conv_dtype for rows with state blocks `blocks` (rows at
     `NO_BLOCK` read zeros), from that layer's conv units."""
-    c, lay = config, layout_of(config, pool)
-    which, ids = state_units(lay, j, blocks)
-    conv = from_pool(gather_units(lay, pool, which, ids, lay.rec_units, lay.conv_elems), pool)
-    return conv.reshape(blocks.shape[0], c.linear_conv_dim, c.linear_conv_kernel_dim).astype(conv_dtype)
+    c = config
+    conv = read_conv_state(layout_of(config, pool), pool, j, blocks, c.linear_conv_dim, c.linear_conv_kernel_dim)
+    return conv.astype(conv_dtype)
 
 
 def read_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv_dtype):
@@ -255,9 +257,7 @@ def write_rec(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, rec: 
 def write_conv(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array) -> jax.Array:
     """The pool with GDN layer j's conv states of rows `blocks` replaced by conv [R, conv_dim, Kc] (writes of rows
     at `NO_BLOCK` are dropped), into that layer's conv units."""
-    lay = layout_of(config, pool)
-    which, ids = state_units(lay, j, blocks)
-    return scatter_units(lay, pool, which, ids, lay.rec_units, to_pool(conv, pool).reshape(blocks.shape[0], -1))
+    return write_conv_state(layout_of(config, pool), pool, j, blocks, conv)
 
 
 def write_state(config: Qwen35Config, pool: jax.Array, j, blocks: jax.Array, conv: jax.Array,

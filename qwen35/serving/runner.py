@@ -19,14 +19,14 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     beta = 0: decay 1 and no write, so the state is untouched), the conv state taken from the last
                     Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
                     starts from zero state, so recycled blocks need no clearing. With `backend == "pallas"` the
-                    decode rows go through `paged_gdn_decode`, which reads and writes each row's recurrent state in
-                    the pool by its state block ids (DMAs from scalar-prefetched ids, as tpu-inference's kernels
-                    address their state pool): the state crosses HBM once each way, as the roofline counts it
+                    decode rows go through `paged_conv_gdn_decode`, one kernel for the whole step (conv window,
+                    conv, gates, rule) that reads and writes each row's conv and recurrent states in the pool by
+                    its state block ids (DMAs from scalar-prefetched ids, as tpu-inference's kernels address their
+                    state pool): the states cross HBM once each way, as the roofline counts them
                     (`roofline.Scenario.bytes_per_device`), where a gather into a dense block before a dense kernel
-                    and a scatter after would move it twice more (on the 397B host, 64 decode rows per device and
+                    and a scatter after would move them twice more (on the 397B host, 64 decode rows per device and
                     45 GDN layers of 4 MiB float32 states: 22.5 GiB per step for the kernel, 45 GiB more for the
-                    copies, about 13 ms at 3.69 TB/s). Their conv (2% of the state bytes) stays in XLA, gathered
-                    and scattered. Prefill chunks go through `chunked_gdn_conv_packed` (conv fused in) from states
+                    copies, about 13 ms at 3.69 TB/s). Prefill chunks go through `chunked_gdn_conv_packed` (conv fused in) from states
                     gathered for those rows only: a chunk reads and writes its state once for up to Lb tokens, so
                     the copies are a small share of its work. (A pool whose units are not whole rows of 128 lanes
                     falls back to gathering every row for the dense `fused_gdn_decode`.)
@@ -57,11 +57,11 @@ from qwen35.config import LINEAR
 from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
 from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
 from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
-from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, supports_paged_decode
+from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode, supports_paged_decode
 from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_pool
 from qwen35.model import bind_program, output_logits
 from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, layout_of, pool_dtype, read_conv,
-                                  read_rec, to_pool, write_conv, write_rec, write_state)
+                                  read_rec, to_pool, write_state)
 from qwen35.serving.sampling import sample, verify_drafts
 from qwen35.sharding import moe_ep_local
 from qwen35.sharding.exchange import native_ragged
@@ -288,27 +288,35 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
     g, beta = gdn.gates(a, bb)
     fresh = b.fresh
     paged = _paged(gdn, pool)
-    conv0 = jnp.where(fresh[:, None, None], 0, read_conv(gdn.config, pool, j, b.state_blocks, x.dtype))  # [Sb, C, Kc]
+
+    def fresh_of(rows):  # [n] whether each of `rows` starts from zero (Sb: padding)
+        return fresh[jnp.minimum(rows, Sb - 1)]
 
     def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
-        fresh_rows = fresh[jnp.minimum(rows, Sb - 1)]
-        return jnp.where(fresh_rows[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, _blocks_of(b, rows)))
+        return jnp.where(fresh_of(rows)[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, _blocks_of(b, rows)))
 
-    if paged:  # the kernel reads the rows' states itself; the dense rules get only the prefill and verify rows'
-        rec0, s0, sv0 = None, rec_of(b.pf_rows) if Sp else None, rec_of(b.spec_rows) if Sv else None
+    def conv_of(rows):  # the conv states [n, C, Kc] of `rows` [n] in the activations' dtype
+        return jnp.where(fresh_of(rows)[:, None, None], 0, read_conv(gdn.config, pool, j, _blocks_of(b, rows), x.dtype))
+
+    if paged:  # the kernel reads the decode rows' states itself; the dense rules get only the prefill and verify rows'
+        rec0, conv0 = None, None
+        s0, c_pf = (rec_of(b.pf_rows), conv_of(b.pf_rows)) if Sp else (None, None)
+        sv0, c_sv = (rec_of(b.spec_rows), conv_of(b.spec_rows)) if Sv else (None, None)
         # every read of the pool before the kernel that updates it in place (else XLA would copy the pool)
-        conv0, s0, sv0, pool = jax.lax.optimization_barrier((conv0, s0, sv0, pool))
+        c_pf, c_sv, s0, sv0, pool = jax.lax.optimization_barrier((c_pf, c_sv, s0, sv0, pool))
     else:
+        conv0 = jnp.where(fresh[:, None, None], 0, read_conv(gdn.config, pool, j, b.state_blocks, x.dtype))
         rec0 = jnp.where(fresh[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, b.state_blocks))
-        s0 = rec0[jnp.minimum(b.pf_rows, Sb - 1)] if Sp else None
-        sv0 = rec0[jnp.minimum(b.spec_rows, Sb - 1)] if Sv else None
+        pf, sv = jnp.minimum(b.pf_rows, Sb - 1), jnp.minimum(b.spec_rows, Sb - 1)
+        s0, c_pf = (rec0[pf], conv0[pf]) if Sp else (None, None)
+        sv0, c_sv = (rec0[sv], conv0[sv]) if Sv else (None, None)
 
     if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
         o = jnp.zeros((x.shape[0], gdn.num_v_heads, gdn.head_v_dim), x.dtype)
     else:
-        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0, s0, paged)
+        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged)
     if Sv:  # verify rows: the single-token rule token by token, the state after each kept in its own group
-        conv, rec = conv0[jnp.minimum(b.spec_rows, Sb - 1)], sv0
+        conv, rec = c_sv, sv0
         outs, convs, recs = [], [], []
         for i in range(K1):
             o_i, conv, rec = _gdn_token(gdn, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
@@ -336,12 +344,12 @@ def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
     return o, conv, rec
 
 
-def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, s0, paged: bool):
+def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged: bool):
     """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
     the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
-    pool). rec0: every row's recurrent state, s0: the prefill rows'. `paged`: the single-token rule is the paged
-    kernel, which reads and writes the rows' recurrent states in the pool itself (rec0 is None; prefill rows
-    excluded: their states come from the chunked rule)."""
+    pool). conv0, rec0: every row's states; c_pf, s0: the prefill rows'. `paged`: the single-token step (conv
+    and rule) is the paged kernel, which reads and writes the rows' conv and recurrent states in the pool itself
+    (conv0 and rec0 are None; prefill rows excluded: their states come from the chunked rule)."""
     Sb = b.state_blocks.shape[0]
     Sp, Lb = b.gather_idx.shape
     w = gdn.conv1d.weight[...]
@@ -349,19 +357,18 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
     pallas = gdn.config.backend == "pallas"
     if paged:
         idx = b.last_idx
-        y, conv_new = causal_conv1d_update(mixed[idx], w, conv0)  # the conv (2% of the state bytes) in XLA
-        q, k, v = gdn.heads(y)
         is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
         blocks = jnp.where(is_pf[:, None], NO_BLOCK, b.state_blocks)  # prefill rows: written after, from their chunk
-        o_dec, pool = paged_gdn_decode(q, k, v, g[idx], beta[idx], pool, blocks, b.fresh, j,
-                                       layout_of(gdn.config, pool))
-        rec_new = None
+        o_dec, pool = paged_conv_gdn_decode(
+            mixed[idx], a[idx], bb[idx], w, gdn.A_log[...], gdn.dt_bias[...], pool, blocks, b.fresh, j,
+            layout_of(gdn.config, pool), num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim,
+            head_v_dim=gdn.head_v_dim)
+        conv_new = rec_new = None
     else:
         o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
     o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
-        r = jnp.minimum(b.pf_rows, Sb - 1)  # padding entries (pf_rows = Sb) read any row; their writes are dropped
-        c0 = conv0[r]
+        c0 = c_pf  # padding entries (pf_rows = Sb) read zeros or any row; their writes are dropped
         valid = b.gather_valid
         xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
         hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
@@ -382,14 +389,14 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
             qb, kb, vb = gdn.heads(yb)
             o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
                                                   initial_state=s0)
-        conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
-        if paged:  # the prefill rows' recurrent states, to their own blocks (padding entries at NO_BLOCK: dropped)
-            pool = write_rec(gdn.config, pool, j, _blocks_of(b, b.pf_rows), rec_pf)
+        if paged:  # the prefill rows' states, to their own blocks (padding entries at NO_BLOCK: dropped)
+            pool = write_state(gdn.config, pool, j, _blocks_of(b, b.pf_rows), conv_pf, rec_pf)
         else:
+            conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
             rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
         o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
     if paged:
-        return o, write_conv(gdn.config, pool, j, b.state_blocks, conv_new)
+        return o, pool
     return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 
