@@ -1,4 +1,4 @@
-"""One kernel benchmark case, shared by `kernels.py` and `kernels_gdn.py`: `applies()` says whether it runs here
+"""One kernel benchmark case, shared by `kernels_vs_xla.py` and `kernels_gdn.py`: `applies()` says whether it runs here
 and why not; `run()` builds the inputs, times the Pallas kernel and its XLA reference in the same process (jitted,
 after a warm-up, median of `repeats`), checks that they agree (`tol`, on max |Δ| / max |ref| of every output)
 and returns a row with both times, their ratio, FLOPs and bytes from napkin math, and the roofline fraction."""

@@ -3,7 +3,7 @@ references.
 
     python benchmarks/kernels_gdn.py [--json PATH]
 
-`CASES` lists every case; `benchmarks/kernels.py` imports it. Each `Case` has `applies(backend, n_devices)` (with
+`CASES` lists every case; `benchmarks/kernels_vs_xla.py` imports it. Each `Case` has `applies(backend, n_devices)` (with
 the reason when it does not) and `run()`, which builds its inputs, times the Pallas kernel and the XLA reference
 in the same process (jitted, after a warm-up, median of a few repeats), checks that they agree (`tol`, on
 max |Δ| / max |ref| of every output) and returns a row: seconds of both, the ratio, the error, FLOPs and bytes

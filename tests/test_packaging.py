@@ -52,3 +52,11 @@ def test_regular_install_imports_qwen35_kernels(tmp_path):
     out = _run([sys.executable, "-S", "-c", PROBE], cwd=tmp_path, env=env)
     assert Path(out.splitlines()[0]).resolve() == (target / "qwen35" / "kernels" / "__init__.py").resolve()
     assert importlib.util.find_spec("qwen35.kernels") is not None
+
+
+def test_no_script_folder_shadows_hugging_faces_kernels():
+    """A script's folder comes first on `sys.path`, and transformers imports Hugging Face's `kernels` package: a
+    `kernels.py` (or `kernels/`) beside a script that imports transformers (`benchmarks/vs_transformers.py`) would
+    be imported in its place and fail."""
+    for folder in ("benchmarks", "notebooks", "tests"):
+        assert not (ROOT / folder / "kernels.py").exists() and not (ROOT / folder / "kernels").is_dir(), folder

@@ -1,6 +1,6 @@
 """Time each Pallas kernel against its XLA reference, next to the device's roofline.
 
-    python benchmarks/kernels.py [--only attention,moe,gdn] [--repeats 5] [--json PATH]
+    python benchmarks/kernels_vs_xla.py [--only attention,moe,gdn] [--repeats 5] [--json PATH]
 
 Cases (each a `Case`: `applies()` says whether it runs here and why not, `run()` builds the inputs, times the
 kernel and the reference in the same process, jitted, median of `repeats` after a warm-up, and checks they agree):
