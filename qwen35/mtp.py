@@ -60,13 +60,17 @@ class MultiTokenPredictor(nnx.Module):
         return tuple(layer.self_attn.init_cache(batch_size, max_len, dtype) for layer in self.layers)
 
     def __call__(self, hidden: jax.Array, next_embeds: jax.Array, *, cache: tuple[KVCache, ...] | None = None,
-                 cache_index: jax.Array | int = 0, step: int = 0, routed_fn=None):
+                 cache_index: jax.Array | int = 0, step: int = 0, routed_fn=None, mix=None):
         """hidden [B, T, H] (the main model's hidden states after its final norm) and next_embeds [B, T, H] (the
         embeddings of the tokens one position later) -> (MTP states [B, T, H] before `norm`, new cache, router
         logits).
-        `step` picks the layer when there are several (draft step k uses layer k mod n, as vLLM does)."""
+        `step` picks the layer when there are several (draft step k uses layer k mod n, as vLLM does). `mix`: the
+        attention run another way than with its own dense cache (`DecoderLayer`'s `mix`; the serving engine's
+        paged step passes one), `cache` then being what `mix` reads and returns (the engine's pool)."""
         u = self.fc(jnp.concatenate([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
         i = step % len(self.layers)
+        if mix is not None:
+            return self.layers[i](u, cache, cache_index, mix=mix, routed_fn=routed_fn)
         state = None if cache is None else cache[i]
         v, new_state, router_logits = self.layers[i](u, state, cache_index, routed_fn=routed_fn)
         new_cache = None if cache is None else tuple(new_state if j == i else s for j, s in enumerate(cache))

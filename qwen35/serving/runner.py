@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from qwen35.config import LINEAR
+from qwen35.config import FULL, LINEAR
 from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
 from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
 from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
@@ -404,13 +404,17 @@ def _layer(layer, h, pool, idx, b: StepBatch, routed_fn=None):
     """One decoder layer on the packed tokens h [Tb, H]: the model's own `DecoderLayer` (norms, residuals, MoE),
     its mixer run on the cache pool as layer `idx` of its kind. `routed_fn`: how the MoE sums its routed experts
     (None: the block's own path; on a mesh, the exchange)."""
-    def mix(mixer, x, pool):
-        y, pool = (_gdn(mixer, x[0], b, pool, idx) if layer.layer_type == LINEAR
-                   else _attention(mixer, x[0], b, pool, idx))
-        return y[None], pool
-
-    h, pool, _ = layer(h[None], pool, None, mix=mix, routed_fn=routed_fn)
+    h, pool, _ = layer(h[None], pool, None, mix=_pool_mix(layer.layer_type, b, idx), routed_fn=routed_fn)
     return h[0], pool
+
+
+def _pool_mix(layer_type: str, b: StepBatch, idx):
+    """A `DecoderLayer` `mix` that runs its mixer on the packed tokens over the cache pool, as layer `idx` of its
+    kind (x [1, Tb, H] -> ([1, Tb, H], pool))."""
+    def mix(mixer, x, pool):
+        y, pool = _gdn(mixer, x[0], b, pool, idx) if layer_type == LINEAR else _attention(mixer, x[0], b, pool, idx)
+        return y[None], pool
+    return mix
 
 
 def layer_indices(layers) -> list[int]:
@@ -491,11 +495,10 @@ def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, routed_f
     col = jnp.clip(-1 - b.mtp_next, 0, K1 - 1)
     nxt = jnp.where(b.mtp_next >= 0, b.mtp_next, out[b.tok_row, col])
 
-    def run(hidden, ids, batch, pool, step):
-        u = mtp.fc(jnp.concatenate([mtp.pre_fc_norm_embedding(dp.embed_tokens(ids, dp.dtype)),
-                                    mtp.pre_fc_norm_hidden(hidden.astype(dp.dtype))], -1))
-        v, pool = _layer(mtp.layers[step % len(mtp.layers)], u, pool, dp.index, batch, routed_fn)
-        return mtp.norm(v), pool
+    def run(hidden, ids, batch, pool, step):  # the MTP head's own call, its attention on the pool
+        v, pool, _ = mtp(hidden.astype(dp.dtype)[None], dp.embed_tokens(ids, dp.dtype)[None], cache=pool, step=step,
+                         routed_fn=routed_fn, mix=_pool_mix(FULL, batch, dp.index))
+        return mtp.norm(v[0]), pool
 
     def guess(hn):
         return jnp.argmax(output_logits(_identity, dp.lm_head, dp.embed_tokens, hn), axis=-1).astype(jnp.int32)
