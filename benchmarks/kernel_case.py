@@ -12,10 +12,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qwen35.bench import timeit
+from qwen35.bench import log, timeit
 from qwen35.roofline import device_roofline
 
-__all__ = ["Case"]
+__all__ = ["Case", "log_backend"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,3 +76,15 @@ def _max_rel_err(out, ref) -> float:
                   max(float(jnp.max(jnp.abs(b.astype(jnp.float32)))), 1e-30))
             for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True)]
     return max(errs)
+
+
+def log_backend() -> str:
+    """Log which backend runs and what its timings mean; returns the backend's name."""
+    backend = jax.default_backend()
+    log(f"backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    if backend == "cpu":
+        log("CPU: correctness-size cases only; the kernels run in TPU interpret mode (a simulator), so their "
+            "times say nothing about kernel speed. Run on a TPU for the realistic sizes.")
+    elif backend != "tpu":
+        log(f"{backend}: the Mosaic-TPU kernels do not compile here; timing the XLA references at realistic sizes.")
+    return backend

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared `Case` beside this file
-from kernel_case import Case  # noqa: E402
+from kernel_case import Case, log_backend  # noqa: E402
 
 from qwen35.bench import log, machine_info, save_json
 from qwen35.roofline import device_roofline
@@ -276,11 +276,7 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--json", default=None, help="output path (default results/kernels_gdn.json)")
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args(argv)
-    backend = jax.default_backend()
-    log(f"backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}")
-    if backend == "cpu":
-        log("CPU: correctness-size cases only; the kernels run in TPU interpret mode (a simulator), so their "
-            "times say nothing about kernel speed.")
+    log_backend()
     rows = run_cases(repeats=a.repeats)
     peak_f, peak_b, source = device_roofline()
     log(f"\nroofline: {peak_f / 1e9:,.0f} GFLOP/s, {peak_b / 1e9:,.1f} GB/s ({source})")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the shared `Case` and the GDN cases beside this file
-from kernel_case import Case  # noqa: E402
+from kernel_case import Case, log_backend  # noqa: E402
 
 from qwen35.bench import log, machine_info, save_json
 from qwen35.roofline import device_roofline
@@ -194,13 +194,7 @@ def main(argv=None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="output path (default results/kernels_<backend>.json)")
     args = ap.parse_args(argv)
-    backend = jax.default_backend()
-    log(f"backend {backend}, {jax.device_count()} x {jax.devices()[0].device_kind}")
-    if backend == "cpu":
-        log("CPU: correctness-size cases only; the kernels run in TPU interpret mode (a simulator), so their "
-            "times say nothing about kernel speed. Run on a TPU for the realistic sizes.")
-    elif backend != "tpu":
-        log(f"{backend}: the Mosaic-TPU kernels do not compile here; timing the XLA references at realistic sizes.")
+    backend = log_backend()
     only = None if args.only is None else set(args.only.split(","))
     rows = run_cases(all_cases(only), repeats=args.repeats)
     peak_f, peak_b, source = device_roofline()

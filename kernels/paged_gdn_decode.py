@@ -65,7 +65,7 @@ def supports_paged_decode(lay: PoolLayout) -> bool:
     return lay.unit % LANES == 0 and (lay.rec_elems // lay.planes) % LANES == 0
 
 
-def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
+def _check(q, k, v, g, beta):
     B, Hv, Dk = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)} (repeated to the value heads), got {tuple(k.shape)}")
@@ -74,6 +74,14 @@ def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (B, Hv):
             raise ValueError(f"{name} must be [B, Hv] = {(B, Hv)}, got {tuple(x.shape)}")
+
+
+def _check_pool(pool, blocks, fresh, lay: PoolLayout, B: int, Hv: int, Dk: int, Dv: int):
+    """The pool, the rows' state blocks and fresh flags, and the layout agree with B rows of Hv·Dk·Dv states, and
+    the kernel's 128-lane row view fits the layout. Errors name the argument and the fix."""
+    if pool.ndim != 3 or pool.dtype not in (jnp.uint16, jnp.uint32):
+        raise ValueError(f"pool must be the engine's [2A, num_blocks, unit] pool of uint16/uint32 bits, got "
+                         f"{tuple(pool.shape)} {pool.dtype}")
     if tuple(blocks.shape) != (B, lay.state_blocks):
         raise ValueError(f"blocks must be [B, state_blocks] = {(B, lay.state_blocks)}, got {tuple(blocks.shape)}")
     if tuple(fresh.shape) != (B,):
@@ -81,9 +89,12 @@ def _check(q, k, v, g, beta, pool, blocks, fresh, lay: PoolLayout):
     if lay.planes != 4 // pool.dtype.itemsize:
         raise ValueError(f"the layout has {lay.planes} plane(s) of 16 bits per float32 but the pool holds "
                          f"{pool.dtype}: take the layout of this pool")
-    if lay.rec_elems != Hv * Dk * v.shape[-1] * lay.planes:
+    if lay.rec_elems != Hv * Dk * Dv * lay.planes:
         raise ValueError(f"the layout's recurrent state ({lay.rec_elems} pool elements) does not match Hv·Dk·Dv = "
-                         f"{Hv}·{Dk}·{v.shape[-1]} float32")
+                         f"{Hv}·{Dk}·{Dv} float32")
+    if not supports_paged_decode(lay):
+        raise ValueError(f"the pool's unit ({lay.unit} elements) and a layer's state (Hv·Dk·Dv) must be whole rows of "
+                         f"{LANES} lanes for the paged kernel; use the gather + `fused_gdn_decode` path instead")
 
 
 def paged_gdn_decode_reference(q, k, v, g, beta, pool, blocks, fresh, layer, lay: PoolLayout, *, scale=None):
@@ -252,13 +263,8 @@ def paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, lay: PoolLayo
     written to the serving pool by its state block ids (see the module docstring). `lay`: the pool's geometry in
     plain sizes (`qwen35.serving.cache.layout_of(config, pool)` gives it). `interpret`: None picks Mosaic on a TPU
     and TPU interpret mode elsewhere. The pool is donated under jit: use the returned one."""
-    if pool.ndim != 3 or pool.dtype not in (jnp.uint16, jnp.uint32):
-        raise ValueError(f"pool must be the engine's [2A, num_blocks, unit] pool of uint16/uint32 bits, got "
-                         f"{tuple(pool.shape)} {pool.dtype}")
-    _check(q, k, v, g, beta, pool, blocks, fresh, lay)
-    if not supports_paged_decode(lay):
-        raise ValueError(f"the pool's unit ({lay.unit} elements) and a layer's state (Hv·Dk·Dv) must be whole rows of "
-                         f"{LANES} lanes for the paged kernel; use the gather + `fused_gdn_decode` path instead")
+    _check(q, k, v, g, beta)
+    _check_pool(pool, blocks, fresh, lay, *q.shape, v.shape[-1])
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     return _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, lay=lay, scale=scale,
                              interpret=default_interpret() if interpret is None else interpret)
@@ -395,9 +401,6 @@ def paged_conv_gdn_decode(x_qkv, a, b, conv_w, A_log, dt_bias, pool, blocks, fre
     layer's conv_w [conv_dim, Kc] (or [conv_dim, 1, Kc]), A_log and dt_bias [Hv]. Rows at `NO_BLOCK` (padding, or
     prefill rows whose states another path writes) are neither read nor written; `fresh` rows start from zero.
     Returns (o [B, Hv, Dv] float32 — before the gated norm —, the pool); the pool is donated under jit."""
-    if pool.ndim != 3 or pool.dtype not in (jnp.uint16, jnp.uint32):
-        raise ValueError(f"pool must be the engine's [2A, num_blocks, unit] pool of uint16/uint32 bits, got "
-                         f"{tuple(pool.shape)} {pool.dtype}")
     if conv_w.ndim == 3:
         conv_w = conv_w[:, 0, :]
     B = x_qkv.shape[0]
@@ -406,20 +409,10 @@ def paged_conv_gdn_decode(x_qkv, a, b, conv_w, A_log, dt_bias, pool, blocks, fre
     check_decode_inputs(x_qkv, a, b, sds((B, x_qkv.shape[-1], conv_w.shape[-1]), x_qkv.dtype),
                         sds((B, Hv, Dk, Dv), jnp.float32), conv_w, A_log, dt_bias, num_k_heads=Hk, head_k_dim=Dk,
                         head_v_dim=Dv)
-    if tuple(blocks.shape) != (B, lay.state_blocks):
-        raise ValueError(f"blocks must be [B, state_blocks] = {(B, lay.state_blocks)}, got {tuple(blocks.shape)}")
-    if tuple(fresh.shape) != (B,):
-        raise ValueError(f"fresh must be [B] = ({B},), got {tuple(fresh.shape)}")
-    if lay.planes != 4 // pool.dtype.itemsize or lay.rec_elems != Hv * Dk * Dv * lay.planes:
-        raise ValueError(f"the layout ({lay.rec_elems} pool elements of recurrent state in {lay.planes} plane(s)) "
-                         f"does not match Hv·Dk·Dv = {Hv}·{Dk}·{Dv} float32 in a {pool.dtype} pool: take this "
-                         f"pool's layout")
+    _check_pool(pool, blocks, fresh, lay, B, Hv, Dk, Dv)
     if lay.conv_elems != conv_w.shape[-1] * conv_stride(x_qkv.shape[1]):
         raise ValueError(f"the layout's conv state ({lay.conv_elems} elements) is not Kc taps of conv_dim = "
                          f"{x_qkv.shape[1]} channels in whole {LANES}-lane rows")
-    if not supports_paged_decode(lay):
-        raise ValueError(f"the pool's unit ({lay.unit} elements) and a layer's state (Hv·Dk·Dv) must be whole rows of "
-                         f"{LANES} lanes for the paged kernel; use the gather + `fused_gdn_decode` path instead")
     scale = float(Dk ** -0.5 if scale is None else scale)
     return _paged_conv_gdn_decode(x_qkv, a, b, conv_w, A_log, dt_bias, pool, blocks, fresh, layer, lay=lay, Hk=int(Hk),
                                   Dk=int(Dk), Dv=int(Dv), scale=scale,

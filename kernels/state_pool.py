@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PoolLayout", "LANES", "value_dtype", "conv_stride", "state_units", "gather_units", "scatter_units",
+__all__ = ["PoolLayout", "LANES", "value_dtype", "bits_dtype", "conv_stride", "state_units", "gather_units", "scatter_units",
            "join_halves", "split_halves", "rec_from_bits", "rec_to_bits", "read_recurrent", "write_recurrent",
            "read_conv_state", "write_conv_state"]
 
@@ -33,6 +33,14 @@ def value_dtype(bits_dtype) -> jnp.dtype:
     except KeyError:
         raise ValueError(f"a pool holds uint32 (float32) or uint16 (bfloat16) bits, got "
                          f"{jnp.dtype(bits_dtype)}") from None
+
+
+def bits_dtype(cache_dtype) -> jnp.dtype:
+    """The unsigned integers a pool stores `cache_dtype` (float32 or bfloat16) as: its bits, of the same width."""
+    for bits, value in _VALUE.items():
+        if value == jnp.dtype(cache_dtype):
+            return bits
+    raise ValueError(f"the cache dtype must be float32 or bfloat16, got {jnp.dtype(cache_dtype)}")
 
 
 def conv_stride(conv_dim: int) -> int:

@@ -44,7 +44,7 @@ def modules() -> dict[str, pathlib.Path]:
     the package in a checkout, `qwen35/kernels/` in a wheel)."""
     pkg = pathlib.Path(__file__).resolve().parent
     found = {}
-    for root, prefix in ((pkg, "qwen35"), (_kernels_dir(pkg), "qwen35.kernels")):
+    for root, prefix in ((pkg, "qwen35"), (_kernels_dir(), "qwen35.kernels")):
         for path in sorted(root.rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if prefix == "qwen35" and parts[0] == "kernels":
@@ -55,7 +55,7 @@ def modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _kernels_dir(pkg: pathlib.Path) -> pathlib.Path:
+def _kernels_dir() -> pathlib.Path:
     import importlib.util
 
     spec = importlib.util.find_spec("qwen35.kernels")  # finds the folder; runs nothing of it

@@ -59,9 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35.config import Qwen35Config
-from qwen35.kernels.state_pool import (PoolLayout, conv_stride, join_halves, read_conv_state, read_recurrent,
-                                       rec_from_bits, rec_to_bits, split_halves, value_dtype, write_conv_state,
-                                       write_recurrent)
+from qwen35.kernels.state_pool import (PoolLayout, bits_dtype, conv_stride, join_halves, read_conv_state,
+                                       read_recurrent, rec_from_bits, rec_to_bits, split_halves, value_dtype,
+                                       write_conv_state, write_recurrent)
 
 __all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "layout_of", "PagedHybridCache",
            "init_paged_cache", "pool_blocks", "read_state", "write_state", "read_conv", "read_rec", "write_conv",
@@ -71,16 +71,6 @@ __all__ = ["CacheFullError", "BlockAllocator", "PoolLayout", "pool_layout", "lay
 
 SCRATCH_PAGE = 0
 NO_BLOCK = np.iinfo(np.int32).max  # the state block of a padding row: outside every pool (reads 0, writes dropped)
-
-
-_STORAGE = {jnp.dtype(jnp.float32): jnp.dtype(jnp.uint32), jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16)}
-
-
-def _storage(dtype) -> jnp.dtype:
-    try:
-        return _STORAGE[jnp.dtype(dtype)]
-    except KeyError:
-        raise ValueError(f"the cache dtype must be float32 or bfloat16, got {jnp.dtype(dtype)}") from None
 
 
 def pool_dtype(pool: jax.Array) -> jnp.dtype:
@@ -113,7 +103,7 @@ def pool_layout(config: Qwen35Config, page_size: int, dtype, *, attention_layers
                          "no full-attention layer (layer_types), so it has nothing to page")
     if page_size < 1:
         raise ValueError(f"page_size (block_size) must be >= 1, got {page_size}")
-    size = _storage(dtype).itemsize
+    size = bits_dtype(dtype).itemsize
     unit = page_size * c.num_key_value_heads * c.head_dim
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * (4 // size)
     conv = c.linear_conv_kernel_dim * conv_stride(c.linear_conv_dim)  # tap-major, each tap whole 128-lane rows
@@ -206,7 +196,7 @@ def init_paged_cache(config: Qwen35Config, num_blocks: int, page_size: int, dtyp
     shape = (() if ranks is None else (ranks,)) + (lay.units_per_block, num_blocks, lay.unit)
 
     def make():
-        return PagedHybridCache(jnp.zeros(shape, _storage(dtype)))
+        return PagedHybridCache(jnp.zeros(shape, bits_dtype(dtype)))
 
     return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 

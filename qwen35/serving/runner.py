@@ -26,9 +26,9 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     (`roofline.Scenario.bytes_per_device`), where a gather into a dense block before a dense kernel
                     and a scatter after would move them twice more (on the 397B host, 64 decode rows per device and
                     45 GDN layers of 4 MiB float32 states: 22.5 GiB per step for the kernel, 45 GiB more for the
-                    copies, about 13 ms at 3.69 TB/s). Prefill chunks go through `chunked_gdn_conv_packed` (conv fused in) from states
-                    gathered for those rows only: a chunk reads and writes its state once for up to Lb tokens, so
-                    the copies are a small share of its work. (A pool whose units are not whole rows of 128 lanes
+                    copies, about 13 ms at 3.69 TB/s). Prefill chunks go through `chunked_gdn_conv_packed` (conv
+                    fused in) from states gathered for those rows only: a chunk reads and writes its state once for
+                    up to Lb tokens, so the copies are a small share of its work. (A pool whose units are not whole rows of 128 lanes
                     falls back to gathering every row for the dense `fused_gdn_decode`.)
   head:             only each sequence's last token, then `sample`.
   MoE on a mesh:    the routed experts' sum is handed in (`routed_fn`): the all-gather / reduce-scatter exchange
