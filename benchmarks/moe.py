@@ -47,8 +47,9 @@ def run(N: int, H: int, E: int, k: int, I: int, *, repeats: int = 3, capacity_fa
     flops = moe.moe_flops(N, H, E, k, I, capacity_factor)
     paths = {
         "dense (one-hot)": (jax.jit(moe.experts_dense), flops["dense"]),
-        "sorted + tiles": (jax.jit(lambda *a: moe.experts_sorted(*a, impl="tiles")), flops["sorted"]),
-        "sorted + ragged_dot": (jax.jit(lambda *a: moe.experts_sorted(*a, impl="ragged_dot")), flops["sorted"]),
+        "sorted + tiles": (jax.jit(lambda *a: moe.experts_sorted(*a, grouped=moe.grouped_tiles)), flops["sorted"]),
+        "sorted + ragged_dot": (jax.jit(lambda *a: moe.experts_sorted(*a, grouped=moe.grouped_ragged)),
+                                flops["sorted"]),
         f"capacity cf={capacity_factor}": (
             jax.jit(lambda *a: moe.experts_capacity(*a, capacity_factor=capacity_factor)[0]), flops["capacity"]),
     }
@@ -59,8 +60,7 @@ def run(N: int, H: int, E: int, k: int, I: int, *, repeats: int = 3, capacity_fa
     # The grouped matmul alone, on rows already sorted by expert.
     order, group_sizes = moe.sort_by_expert(experts, E)
     x_sorted = x[order // k]
-    for method in ("tiles", "ragged_dot"):
-        fn = jax.jit(lambda xs, gs, gu, dn, m=method: moe.grouped_swiglu(xs, gs, gu, dn, impl=m))
+    for method, fn in (("tiles", jax.jit(moe.grouped_tiles)), ("ragged_dot", jax.jit(moe.grouped_ragged))):
         rows.append({"name": f"grouped_swiglu {method}",
                      "seconds": _time(fn, x_sorted, group_sizes, gate_up, down, repeats=repeats),
                      "flops": flops["sorted"]})

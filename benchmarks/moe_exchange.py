@@ -5,9 +5,9 @@
 
 Layouts compared at several tokens per device t, each the same MoE layer (the results are checked equal to the
 single-device `experts_dense` reference in the same run):
-  A   all-to-all (capacity factor 1.25)         EP=8, `moe_ep(scheme="alltoall")`
-  R   dropless ragged all-to-all                EP=8, `moe_ep(scheme="ragged")` (exact, like B)
-  B   all-gather / reduce-scatter (exact)       EP=8, `moe_ep(scheme="allgather")` (the workload's choice)
+  A   all-to-all (capacity factor 1.25)         EP=8, `moe_ep`, exchange "alltoall"
+  R   dropless ragged all-to-all                EP=8, `moe_ep`, exchange "ragged" (exact, like B)
+  B   all-gather / reduce-scatter (exact)       EP=8, `moe_ep`, exchange "allgather" (the workload's choice)
   B4  B in 4 chunks (overlappable on TPU)       EP=8, chunks=4
   TP  tensor-parallel experts                   TP=8: each expert's width split 8 ways, an all-reduce
   HY  hybrid                                    EP=4 x TP=2
@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 from qwen35 import config as C  # noqa: E402
 from qwen35 import sharding as S  # noqa: E402
 from qwen35.bench import log, machine_info, save_json, timeit  # noqa: E402
+from qwen35.execution import Execution  # noqa: E402
 from qwen35.moe import experts_dense, route  # noqa: E402
 
 
@@ -44,10 +45,10 @@ def layouts(E: int, k: int):
     tp = S.rules_with(expert_mlp=("model",))
     cf = 1.25
     return {
-        "A all-to-all": (dict(expert=8), dict(scheme="alltoall", capacity_factor=cf), dict(n=8, m=1)),
-        "R ragged a2a": (dict(expert=8), dict(scheme="ragged"), dict(n=8, m=1)),
+        "A all-to-all": (dict(expert=8), dict(exchange="alltoall", capacity_factor=cf), dict(n=8, m=1)),
+        "R ragged a2a": (dict(expert=8), dict(exchange="ragged"), dict(n=8, m=1)),
         "B all-gather/RS": (dict(expert=8), dict(), dict(n=8, m=1)),
-        "B4 chunked x4": (dict(expert=8), dict(chunks=4), dict(n=8, m=1)),
+        "B4 chunked x4": (dict(expert=8), dict(moe_chunks=4), dict(n=8, m=1)),
         "TP=8 experts": (dict(model=8), dict(rules=tp), dict(n=1, m=8)),
         "EP=4 x TP=2": (dict(expert=4, model=2), dict(rules=tp), dict(n=4, m=2)),
     }
@@ -67,12 +68,12 @@ def run(cfg, tokens_per_device, repeats: int = 5) -> list[dict]:
         base = None
         for name, (axes, kw, sizes) in layouts(E, k).items():
             mesh = S.make_mesh(**axes)
-            f = jax.jit(functools.partial(S.moe_ep, mesh=mesh, return_stats=True, **kw))
+            f = jax.jit(functools.partial(S.moe_ep, execution=Execution(mesh=mesh, **kw), return_stats=True))
             hlo = f.lower(x, w, e, gu, dn).compile().as_text()
             got = S.hlo_collective_bytes(hlo)
             # tokens per device as moe_comm_bytes counts them: a TP group shares its tokens
             t_group = N // sizes["n"]
-            scheme = kw.get("scheme", "allgather")
+            scheme = kw.get("exchange", "allgather")
             want = S.moe_comm_bytes(cfg, t_group, sizes["n"], scheme, dtype_bytes=4,
                                     capacity_factor=kw.get("capacity_factor", 1.25), tp_size=sizes["m"])
             routed = want["total"]

@@ -32,7 +32,7 @@ E4M3_MAX = 448.0  # the largest float8_e4m3fn
 def quantize_fp8_activations(x, block: int = ACT_BLOCK):
     """x [..., K] -> (q float8_e4m3fn [..., K], scale [..., K/block] float32): per row and `block`-wide group of
     columns, scale = amax / 448 (1 for an all-zero group) and q = x / scale, so q·scale is x to e4m3's 3 mantissa
-    bits. W8A8's activation quantisation (`SparseMoeBlock` with `config.act_fp8`; the Pallas kernels)."""
+    bits. W8A8's activation quantisation (`SparseMoeBlock` with `Execution(w8a8=True)`; the Pallas kernels)."""
     *lead, K = x.shape
     if K % block:
         raise ValueError(f"activation quantisation needs K a multiple of {block}, got K={K}")

@@ -335,7 +335,7 @@ def gmm(a_padded, meta, w, scales=None, x_scales=None, *, tm, tn, tk, interpret,
 
 
 def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: int | None = 512,
-                   th: int | None = 512, gate_up_scale=None, down_scale=None, act_fp8: bool = False,
+                   th: int | None = 512, gate_up_scale=None, down_scale=None, w8a8: bool = False,
                    interpret=None) -> jax.Array:
     """Pallas grouped SwiGLU: same arguments and result as `grouped_swiglu_reference` (and
     `qwen35.moe.grouped_swiglu`). x_sorted [M, H], group_sizes [E], gate_up [E, 2I, H], down [E, H, I] -> [M, H].
@@ -348,7 +348,7 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     H/128] and `down_scale` [E, H/128, I/128] (both or neither); the result is that of the dequantised weights.
     H and I must be multiples of 128; the contraction runs in 128-wide steps (th then tiles only the output).
 
-    W8A8 (`act_fp8=True`, FP8 experts only): the activations are quantised too, x before the gate/up projection and
+    W8A8 (`w8a8=True`, FP8 experts only): the activations are quantised too, x before the gate/up projection and
     the SwiGLU output before the down projection, each per row and 512-wide block of its columns
     (`quantize_fp8_activations`, e4m3 with fp32 scales; H and I multiples of 512), so both operands of every
     matmul are FP8 and the MXU runs at its FP8 rate. Each 128-wide step's partial product is scaled by its row's
@@ -368,9 +368,9 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     fp8 = gate_up_scale is not None
     if fp8 != (down_scale is not None):
         raise ValueError("pass both gate_up_scale and down_scale (FP8 experts) or neither")
-    if act_fp8 and not fp8:
-        raise ValueError("act_fp8 (W8A8) needs FP8 experts: pass gate_up_scale and down_scale")
-    if act_fp8 and (H % ACT_BLOCK or I % ACT_BLOCK):
+    if w8a8 and not fp8:
+        raise ValueError("w8a8=True (FP8 activations) needs FP8 experts: pass gate_up_scale and down_scale")
+    if w8a8 and (H % ACT_BLOCK or I % ACT_BLOCK):
         raise ValueError(f"W8A8 quantises activations in {ACT_BLOCK}-wide blocks: H and I must be multiples of "
                          f"{ACT_BLOCK}, got H={H}, I={I}")
     if fp8:
@@ -389,7 +389,7 @@ def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tm: int = 128, ti: i
     Mp = -(-M // tm) * tm
     meta = group_metadata(group_sizes, M, tm)
     x_p = jnp.pad(x_sorted, ((0, Mp - M), (0, 0)))
-    if act_fp8:  # W8A8: FP8 x FP8 products, each 128-wide step scaled by row (activation) and column (weight)
+    if w8a8:  # W8A8: FP8 x FP8 products, each 128-wide step scaled by row (activation) and column (weight)
         xq, xs = quantize_fp8_activations(x_p)
         a = gmm_swiglu(xq, meta, gate_up, expand_fp8_scales(gate_up_scale, 2 * I), expand_act_scales(xs), tm=tm,
                        ti=ti, tk=FP8_BLOCK, interpret=interpret, out_dtype=jnp.float32)
@@ -425,17 +425,17 @@ def gmm_cost(M: int, H: int, I: int, E_used: int, dtype_bytes: int = 2) -> dict:
 
 def experts_sorted_pallas(x, weights, experts, gate_up, down, *, tm: int = 128, ti: int | None = 512,
                           th: int | None = 512, block_rows: int = 8, gate_up_scale=None, down_scale=None,
-                          act_fp8: bool = False, interpret=None) -> jax.Array:
+                          w8a8: bool = False, interpret=None) -> jax.Array:
     """`qwen35.moe.experts_sorted` on the kernels: sort the N·k slots by expert, permute (row-gather kernel),
-    grouped SwiGLU (the two gmm kernels; FP8 experts with their block scales and W8A8 with `act_fp8`, see
+    grouped SwiGLU (the two gmm kernels; FP8 experts with their block scales and W8A8 with `w8a8`, see
     `grouped_swiglu`), weighted
     unpermute (gather-combine kernel). x [N, H], weights [N, k], experts [N, k] -> [N, H] in x's dtype. The
-    model's MoE uses it when `config.backend == "pallas"`."""
+    model's MoE uses it when `Execution(kernels="pallas")`."""
     x, weights, experts = jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts)
     check_routed(x, weights, experts, gate_up, down)
     N, k = experts.shape
     order, group_sizes = sort_by_expert(experts, gate_up.shape[0])
     x_sorted = permute(x, order, k, block_rows=block_rows, interpret=interpret)
     y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, tm=tm, ti=ti, th=th, gate_up_scale=gate_up_scale,
-                              down_scale=down_scale, act_fp8=act_fp8, interpret=interpret)
+                              down_scale=down_scale, w8a8=w8a8, interpret=interpret)
     return unpermute(y_sorted, order, weights.astype(x.dtype), block_rows=block_rows, interpret=interpret)

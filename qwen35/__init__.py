@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 from qwen35.config import ConfigError, Qwen35Config, get_preset, qwen35_35b_a3b, qwen35_397b_a17b, tiny
+from qwen35.execution import Execution
 
 __version__ = "0.1.0"
 
@@ -23,7 +24,7 @@ _LAZY = {
     "load_trained": "qwen35.weights",
 }
 
-__all__ = ["ConfigError", "Qwen35Config", "get_preset", "qwen35_35b_a3b", "qwen35_397b_a17b", "tiny", *_LAZY]
+__all__ = ["ConfigError", "Qwen35Config", "Execution", "get_preset", "qwen35_35b_a3b", "qwen35_397b_a17b", "tiny", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35.config import Qwen35Config
+from qwen35.execution import Execution
 from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
 from qwen35.layers import Linear, RMSNorm
 
@@ -259,7 +260,7 @@ def gqa_attention(q, k, v, *, q_positions: jax.Array | None = None, kv_len: int 
 
 
 def _pallas_attention(q, k, v, *, q_positions: jax.Array | None, kv_len: int | jax.Array):
-    """`gqa_attention` through the ragged paged attention kernel (`backend="pallas"`): the dense [B, S, Hkv, Dh]
+    """`gqa_attention` through the ragged paged attention kernel (`kernels="pallas"`): the dense [B, S, Hkv, Dh]
     K/V is a paged cache with a trivial page table (sequence b owns pages b·P .. b·P + P − 1), the queries are
     packed [B·T, Hq, Dh] with cu_q_lens = T·arange(B + 1), and every sequence holds kv_len tokens. The queries are
     the last T of them (q_positions = kv_len − T + arange(T), as the model always calls it)."""
@@ -310,13 +311,15 @@ class GatedAttention(nnx.Module):
     `cache_index` is how many tokens the cache already holds = the position of x[:, 0] (an int or a traced int32
     scalar). Without a cache: causal attention over the T tokens (RoPE positions start at cache_index), returns
     (y, None). With a cache: the new keys/values are written at [cache_index, cache_index + T) and the T queries
-    attend over the cache up to their own position; returns (y, updated cache). With `config.backend == "pallas"`
-    the attention core is the ragged paged attention kernel (`_pallas_attention`), otherwise `gqa_attention`.
+    attend over the cache up to their own position; returns (y, updated cache). `execution.kernels` picks the
+    attention core (the one dispatch, `attend`): "pallas" the ragged paged attention kernel (`_pallas_attention`),
+    "xla" `gqa_attention`.
     """
 
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 execution: Execution = Execution()):
         c = config
-        self.config = c
+        self.config, self.execution = c, execution
         H = c.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rotary_dim = c.rotary_dim
@@ -388,6 +391,11 @@ class GatedAttention(nnx.Module):
         o = o.reshape(B, T, self.num_heads * self.head_dim)
         return self.o_proj((o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(dtype))
 
+    @property
+    def attend(self):
+        """The attention core `execution.kernels` picks: `_pallas_attention` or `gqa_attention` (same arguments)."""
+        return _pallas_attention if self.execution.kernels == "pallas" else gqa_attention
+
     def __call__(self, x: jax.Array, *, cache: KVCache | None = None,
                  cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
         self._check(x, cache, cache_index)
@@ -396,7 +404,7 @@ class GatedAttention(nnx.Module):
         positions = start + jnp.arange(T, dtype=jnp.int32)
         q, k, v, gate = self.project(x, positions)
 
-        attend = _pallas_attention if self.config.backend == "pallas" else gqa_attention
+        attend = self.attend
         if cache is None:
             o = attend(q, k, v, q_positions=None, kv_len=T)
             new_cache = None

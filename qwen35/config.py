@@ -22,7 +22,6 @@ from typing import Any
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-BACKENDS = ("xla", "pallas")
 # The official FP8 release stores one float32 scale per 128x128 block of a quantised weight (weight_block_size).
 FP8_BLOCK = 128
 # W8A8 experts quantise their activations with one float32 scale per row and 512 columns (the Ironwood post's
@@ -72,9 +71,7 @@ class Qwen35Config:
     mtp_num_hidden_layers: int = 0  # multi-token-prediction layers (qwen35.mtp; the decoder does not run them)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
-    # --- implementation choices (not HF fields) ---------------------------------------------------------
-    backend: str = "xla"  # "xla" (pure JAX) or "pallas" (kernels; interpreted on CPU)
-    act_fp8: bool = False  # W8A8 experts: FP8 activations (per row and 512 columns) times FP8 weights
+    # --- not an HF field: the preset or checkpoint this config came from; how it runs is `qwen35.execution` -----
     name: str = "custom"
 
     def __post_init__(self):
@@ -195,13 +192,6 @@ class Qwen35Config:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; Qwen3.5 uses 'silu'.")
         if self.attention_bias:
             raise ConfigError("attention_bias=True is not supported: Qwen3.5 has no projection biases.")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}.")
-        if self.act_fp8 and (self.hidden_size % ACT_BLOCK or self.moe_intermediate_size % ACT_BLOCK):
-            raise ConfigError(
-                f"act_fp8 quantises the expert activations in {ACT_BLOCK}-wide blocks, so hidden_size and "
-                f"moe_intermediate_size must be multiples of {ACT_BLOCK}, got {self.hidden_size} and "
-                f"{self.moe_intermediate_size}; use act_fp8=False (activations stay in the compute dtype).")
         rs = self.rope_scaling_dict
         if rs is not None:
             kind = rs.get("rope_type", rs.get("type", "default"))
@@ -284,7 +274,7 @@ class Qwen35Config:
         Accepts the text-only form (`Qwen3_5MoeTextConfig`) and the released multimodal form (text fields under
         `text_config`); rope fields may sit at the top level (`rope_theta`, `partial_rotary_factor`,
         `rope_scaling`) or under `rope_parameters`. Unknown fields are ignored; missing required ones raise
-        `ConfigError`. `overrides` replace fields after reading (e.g. `backend="pallas"`).
+        `ConfigError`. `overrides` replace fields after reading (e.g. `max_position_embeddings=4096`).
         """
         if isinstance(path_or_dict, Mapping):
             raw = dict(path_or_dict)
@@ -315,7 +305,7 @@ class Qwen35Config:
                 f"(model_type 'qwen3_5_moe' or 'qwen3_5_moe_text')?"
             )
         fields = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: v for k, v in d.items() if k in fields and k not in ("rope_scaling", "backend", "act_fp8", "name")}
+        kw = {k: v for k, v in d.items() if k in fields and k not in ("rope_scaling", "name")}
         rope = dict(d.get("rope_parameters") or {})
         if d.get("rope_scaling"):
             rope.update(d["rope_scaling"])

@@ -8,6 +8,7 @@ from flax import nnx
 
 from qwen35.attention import GatedAttention
 from qwen35.config import LINEAR, Qwen35Config
+from qwen35.execution import Execution
 from qwen35.gdn import GatedDeltaNet
 from qwen35.layers import RMSNorm
 from qwen35.moe import SparseMoeBlock
@@ -19,16 +20,17 @@ class DecoderLayer(nnx.Module):
     """Pre-norm residual block: h += mixer(input_layernorm(h)); h += moe(post_attention_layernorm(h))."""
 
     def __init__(self, config: Qwen35Config, layer_idx: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 moe_impl: str = "sorted", fp8_experts: bool = False, layer_type: str | None = None):
+                 fp8_experts: bool = False, layer_type: str | None = None, execution: Execution = Execution()):
         c = config
         self.layer_type = layer_type or c.layer_types[layer_idx]  # `layer_type`: the MTP layer is full attention
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
         if self.layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(c, rngs=rngs, param_dtype=param_dtype)
+            self.linear_attn = GatedDeltaNet(c, rngs=rngs, param_dtype=param_dtype, execution=execution)
         else:
-            self.self_attn = GatedAttention(c, rngs=rngs, param_dtype=param_dtype)
+            self.self_attn = GatedAttention(c, rngs=rngs, param_dtype=param_dtype, execution=execution)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
-        self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, impl=moe_impl, fp8_experts=fp8_experts)
+        self.mlp = SparseMoeBlock(c, rngs=rngs, param_dtype=param_dtype, fp8_experts=fp8_experts,
+                                  execution=execution)
 
     def __call__(self, h, state, cache_index, *, mix=None, routed_fn=None):
         """(h [B, T, H] after the layer, the mixer's new state, router logits). `mix(mixer, x, state) -> (y, new

@@ -1,7 +1,7 @@
 """Gated DeltaNet: the `GatedDeltaNet` layer with the checkpoint's parameter names, its state, and its FLOP count.
 
 The rule itself (recurrent, chunked, single step) and the causal conv1d are the kernels floor's pure-JAX functions
-(`qwen35.kernels.delta_rule`, re-exported here); with `backend="pallas"` the layer runs the Pallas GDN kernels
+(`qwen35.kernels.delta_rule`, re-exported here); with `kernels="pallas"` the layer runs the Pallas GDN kernels
 beside them instead (`qwen35.kernels.chunked_gdn`, `qwen35.kernels.fused_gdn_decode`).
 
 The rule, for each token t (S is the state, g_t ≤ 0 the log-decay, beta_t ∈ (0, 1) the write strength):
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35.config import Qwen35Config
+from qwen35.execution import KERNELS, Execution
 from qwen35.kernels import delta_rule as _rule
 from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
 from qwen35.kernels.delta_rule import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,  # noqa: F401
@@ -34,16 +35,16 @@ __all__ = [  # the rule's functions (`qwen35.kernels.delta_rule`) and the layer'
 ]
 
 
-def default_chunk_size(backend: str = "xla") -> int:
+def default_chunk_size(kernels: str = "xla") -> int:
     """The chunk size C that `GatedDeltaNet` uses when given none: 16 for the XLA path on CPU, else 64.
 
     64 is transformers' choice and the Pallas kernels' (an MXU-sized tile). On CPU the XLA path is faster with
     C = 16: per token, the chunked rule does C-long elementwise work on the C×C decay and score matrices and a
     share of the explicit inverse that grows with C, while its GEMMs are already as efficient at 16 rows as at 64
     (`python benchmarks/gdn.py --chunk-sweep` shows it). The result is the same up to rounding."""
-    if backend not in ("xla", "pallas"):
-        raise ValueError(f"backend must be 'xla' or 'pallas', got {backend!r}")
-    return 16 if backend == "xla" and jax.default_backend() == "cpu" else 64
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
+    return 16 if kernels == "xla" and jax.default_backend() == "cpu" else 64
 
 
 def gdn_flops(T: int, H: int, Dk: int, Dv: int, chunk_size: int = 64, *, B: int = 1) -> dict[str, float]:
@@ -98,16 +99,17 @@ class GatedDeltaNet(nnx.Module):
     `__call__(x [B, T, H], state=None) -> (y [B, T, H], GDNState)`. With no state the layer starts from zeros;
     with a state, a single token takes the recurrent step (conv update + one delta-rule step) and anything longer
     takes the chunked rule from the cached state. The returned state continues the sequence.
-    With `config.backend == "pallas"` the rule runs in the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`).
+    `execution.kernels` picks the rule's implementation (the one dispatch, in `__call__`): "xla" runs the pure-JAX
+    conv and rules, "pallas" the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`).
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 chunk_size: int | None = None):
+                 chunk_size: int | None = None, execution: Execution = Execution()):
         c = config
         if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 (or None for the backend's default), got {chunk_size}")
-        self.config = c
-        self.chunk_size = chunk_size  # None: default_chunk_size() of the backend that runs (see `chunk_for`)
+            raise ValueError(f"chunk_size must be >= 1 (or None for the kernels' default), got {chunk_size}")
+        self.config, self.execution = c, execution
+        self.chunk_size = chunk_size  # None: default_chunk_size() of the kernels that run (see `chunk_for`)
         H = c.hidden_size
         self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
@@ -123,10 +125,10 @@ class GatedDeltaNet(nnx.Module):
         self.norm = RMSNormGated(self.head_v_dim, eps=c.rms_norm_eps, param_dtype=param_dtype)
         self.out_proj = Linear(self.value_dim, H, rngs=rngs, param_dtype=param_dtype, std=DEFAULT_INIT_STD)
 
-    def chunk_for(self, backend: str = "xla") -> int:
-        """The chunk size the chunked rule runs with on `backend` ("xla" or "pallas"): the one given at
-        construction, else `default_chunk_size(backend)`."""
-        return self.chunk_size or default_chunk_size(backend)
+    def chunk_for(self) -> int:
+        """The chunk size the chunked rule runs with: the one given at construction, else
+        `default_chunk_size(execution.kernels)`."""
+        return self.chunk_size or default_chunk_size(self.execution.kernels)
 
     def init_state(self, batch_size: int, dtype=jnp.float32) -> GDNState:
         return GDNState(
@@ -141,7 +143,7 @@ class GatedDeltaNet(nnx.Module):
         mixed, z, a, b = self.project(x)
 
         w = self.conv1d.weight[...]
-        if self.config.backend == "pallas":
+        if self.execution.kernels == "pallas":
             o, conv_state, rec = self._pallas_mixer(mixed, a, b, w, state)
             return self.output(o, z), GDNState(conv=conv_state, recurrent=rec)
         if state is not None and T == 1:
@@ -204,7 +206,7 @@ class GatedDeltaNet(nnx.Module):
         return g, beta
 
     def _pallas_mixer(self, mixed, a, b, w, state):
-        """backend="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
+        """kernels="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
         recurrent step in one kernel); anything longer through `chunked_gdn_conv_packed` (the causal conv fused
         into the chunked rule: the conv's output never goes to memory; grouped heads read in place, no repeat).
         Returns (o [B, T, Hv, Dv], conv_state, recurrent)."""
@@ -220,5 +222,5 @@ class GatedDeltaNet(nnx.Module):
             flat(mixed), w, flat(g), flat(beta), jnp.arange(B + 1, dtype=jnp.int32) * T,
             num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
             conv_state=None if state is None else state.conv, initial_state=None if state is None else state.recurrent,
-            use_qk_l2norm=True, chunk_size=max(self.chunk_for("pallas"), w.shape[-1]))
+            use_qk_l2norm=True, chunk_size=max(self.chunk_for(), w.shape[-1]))
         return o.reshape(B, T, self.num_v_heads, self.head_v_dim), conv_state, rec

@@ -29,6 +29,7 @@ from flax import nnx
 from qwen35.attention import KVCache
 from qwen35.config import LINEAR, Qwen35Config
 from qwen35.decoder import DecoderLayer
+from qwen35.execution import Execution
 from qwen35.gdn import GDNState
 from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNorm, abstract_init, init_normal
 from qwen35.mtp import MultiTokenPredictor
@@ -90,12 +91,12 @@ def output_logits(norm, lm_head, embed_tokens, h: jax.Array) -> jax.Array:
 class TextModel(nnx.Module):
     """`model.*`: embed_tokens, layers, norm."""
 
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted",
-                 fp8_experts: bool = False):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, fp8_experts: bool = False,
+                 execution: Execution = Execution()):
         c = config
         self.embed_tokens = Embed(c.vocab_size, c.hidden_size, rngs=rngs, param_dtype=param_dtype)
         self.layers = nnx.List([
-            DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
+            DecoderLayer(c, i, rngs=rngs, param_dtype=param_dtype, fp8_experts=fp8_experts, execution=execution)
             for i in range(c.num_hidden_layers)
         ])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=param_dtype)
@@ -105,35 +106,42 @@ class Qwen35ForCausalLM(nnx.Module):
     """Qwen3.5-MoE causal LM (text). See the module docstring for the API.
 
     `dtype` is the activation dtype (default: the parameters' dtype); the GDN core, router, norms and softmax
-    run in float32 regardless. `moe_impl` picks the expert path ("sorted", "dense" or "capacity"). `fp8_experts`
-    stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
+    run in float32 regardless. `fp8_experts` stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
     fp8="keep")` builds for an FP8 checkpoint).
 
     `mtp=True` adds the checkpoint's multi-token-prediction head (`self.mtp`, a `qwen35.mtp.MultiTokenPredictor`;
     `config.mtp_num_hidden_layers` layers), run by `mtp_logits`; the decoder never runs it.
 
-    `execution` is None on one device. `qwen35.sharding.shard_model` returns a copy whose execution (a
-    `qwen35.sharding.MeshExecution`, chosen once when it is placed) supplies the MoE's expert-parallel exchange,
-    the cache's placement and the call's jit over the mesh; the layers run the same code either way.
+    `execution` (a `qwen35.execution.Execution`: kernels, expert path, W8A8) is given once, here, and every layer
+    is built with it. On one device its mesh is None; `qwen35.sharding.shard_model` builds a placed model (a
+    `qwen35.sharding.PlacedLM`, this class with the mesh's cache placement, jit and MoE exchange) with the same
+    value plus the mesh. The layers run the same code either way.
     """
 
+    placed = False  # a model on a mesh is a `qwen35.sharding.PlacedLM`, built by `shard_model` / `load_sharded`
+
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs | None = None, param_dtype=jnp.float32,
-                 dtype=None, moe_impl: str = "sorted", fp8_experts: bool = False, mtp: bool = False):
+                 dtype=None, fp8_experts: bool = False, mtp: bool = False, execution: Execution = Execution()):
         config.validate()
-        self.config = config
+        if not isinstance(execution, Execution):
+            raise TypeError(f"execution must be a qwen35.execution.Execution, got {type(execution).__name__}")
+        if execution.mesh is not None and not self.placed:
+            raise ValueError("an Execution with a mesh belongs to a placed model: build the model on one device and "
+                             "place it with qwen35.sharding.shard_model(model, mesh) (or load_sharded)")
+        self.config, self.execution = config, execution
         self.dtype = jnp.dtype(dtype or param_dtype)
         rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.model = TextModel(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
+        self.model = TextModel(config, rngs=rngs, param_dtype=param_dtype, fp8_experts=fp8_experts,
+                               execution=execution)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, rngs=rngs, param_dtype=param_dtype)
         else:
             self.lm_head = None
         if mtp:
-            self.mtp = MultiTokenPredictor(config, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl,
-                                           fp8_experts=fp8_experts)
+            self.mtp = MultiTokenPredictor(config, rngs=rngs, param_dtype=param_dtype, fp8_experts=fp8_experts,
+                                           execution=execution)
         else:
             self.mtp = None
-        self.execution = None  # how the model runs besides one device: `qwen35.sharding.shard_model` sets it
 
     @classmethod
     def abstract(cls, config: Qwen35Config, **kwargs) -> "Qwen35ForCausalLM":
@@ -145,8 +153,8 @@ class Qwen35ForCausalLM(nnx.Module):
 
     # -- cache ---------------------------------------------------------------------------------------------
     def init_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
-        """Zeros for every layer: K/V for `max_len` tokens (attention), conv + recurrent state (GDN); on a sharded
-        model placed as its `execution` places it."""
+        """Zeros for every layer: K/V for `max_len` tokens (attention), conv + recurrent state (GDN); on a placed
+        model, placed on its mesh."""
         if batch_size < 1 or max_len < 1:
             raise ValueError(f"init_cache needs batch_size >= 1 and max_len >= 1, got {batch_size}, {max_len}")
         if max_len > self.config.max_position_embeddings:
@@ -154,8 +162,10 @@ class Qwen35ForCausalLM(nnx.Module):
                 f"max_len {max_len} exceeds the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}); use a shorter cache or a config with RoPE scaling (YaRN)"
             )
-        if self.execution is not None:
-            return self.execution.init_cache(self, batch_size, max_len, dtype)
+        return self._new_cache(batch_size, max_len, dtype)
+
+    def _new_cache(self, batch_size: int, max_len: int, dtype) -> HybridCache:
+        """`init_cache` after its checks (a placed model places it)."""
         return self.zeros_cache(batch_size, max_len, dtype)
 
     def zeros_cache(self, batch_size: int, max_len: int, dtype=None) -> HybridCache:
@@ -172,7 +182,12 @@ class Qwen35ForCausalLM(nnx.Module):
     @property
     def mesh(self):
         """The mesh a sharded model (`qwen35.sharding.shard_model`) lives on; None for a model on one device."""
-        return None if self.execution is None else self.execution.mesh
+        return self.execution.mesh
+
+    def routed_fn(self):
+        """What the MoE blocks sum their routed experts with besides their own `SparseMoeBlock.routed`: None on one
+        device; a placed model's expert-parallel exchange (`qwen35.sharding.PlacedLM`)."""
+        return None
 
     # -- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: jax.Array, cache: HybridCache | None = None) -> ModelOutput:
@@ -180,7 +195,7 @@ class Qwen35ForCausalLM(nnx.Module):
         B, T = input_ids.shape
         h = self.model.embed_tokens(input_ids, self.dtype)
         index = jnp.zeros((), jnp.int32) if cache is None else cache.index
-        routed_fn = None if self.execution is None else self.execution.routed_fn()
+        routed_fn = self.routed_fn()
         hidden, routers, new_states = [h], [], []
         for i, layer in enumerate(self.model.layers):
             state = None if cache is None else cache.layers[i]
@@ -205,7 +220,7 @@ class Qwen35ForCausalLM(nnx.Module):
         if self.mtp is None:
             raise ValueError("this model has no MTP head: build it with mtp=True, or load with "
                              "load_hf_checkpoint(..., mtp=True)")
-        routed_fn = None if self.execution is None else self.execution.routed_fn()
+        routed_fn = self.routed_fn()
         v, new_cache, _ = self.mtp(hidden.astype(self.dtype), self.model.embed_tokens(next_ids, self.dtype),
                                    cache=cache, cache_index=cache_index, step=step, routed_fn=routed_fn)
         return output_logits(self.mtp.norm, self.lm_head, self.model.embed_tokens, v), new_cache
@@ -248,8 +263,10 @@ class Qwen35ForCausalLM(nnx.Module):
         if isinstance(input_ids, jax.core.Tracer):  # already inside someone's jit: just trace
             out = self.forward(input_ids, cache)
             return out.logits, out.cache
-        if self.execution is not None:
-            return self.execution.call(self, input_ids, cache)
+        return self._call(input_ids, cache)
+
+    def _call(self, input_ids, cache):
+        """`__call__` after its checks, outside any jit: one jit of `forward` (a placed model jits over its mesh)."""
         run, leaves = bound_call(self, "forward", _build_forward)
         return run(leaves, jnp.asarray(input_ids, jnp.int32), cache)
 
@@ -269,7 +286,7 @@ class Qwen35ForCausalLM(nnx.Module):
 # (about 1 ms). So a program is built once per (kind, graph definition, parameter tree structure) with both closed
 # over, and called with the flat list of parameter arrays; a module remembers its split, and re-splits only when a
 # cheap walk of its attributes (`_structure`) shows that the graph changed — a submodule or Variable replaced, a
-# static attribute set (`shard_model` sets `execution` on its copy). New values of the same Variables (`v.value = ...`)
+# static attribute set. New values of the same Variables (`v.value = ...`)
 # are read on every call.
 _PROGRAMS: dict = {}
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -18,20 +18,21 @@ Expert paths (all `(x [N,H], weights [N,k], experts [N,k], gate_up, down) -> y [
                         all-to-all wants) at the price of dropped tokens or padding: 2·E·C·3IH FLOPs.
 
 `grouped_swiglu(x_sorted [M,H], group_sizes [E], gate_up, down)` is the inner grouped matmul, the piece a Pallas
-grouped-matmul kernel replaces. It has two methods:
-  * "ragged_dot": `jax.lax.ragged_dot_general` straight on the HF [E, 2I, H] layout (no weight transpose). The
+grouped-matmul kernel replaces. It runs one of two functions, picked by the platform (`_ragged_here` says why):
+  * `grouped_ragged`: `jax.lax.ragged_dot_general` straight on the HF [E, 2I, H] layout (no weight transpose). The
     right call on GPU/TPU, where XLA lowers it to a grouped GEMM; on CPU it is lowered to slow loops.
-  * "tiles": row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over the
+  * `grouped_tiles`: row tiles that each belong to one expert, read in place from the sorted rows: a `lax.scan` over the
     experts (each expert's weights sliced once: on CPU a slice is a copy) runs every group's whole tiles of tm
     rows (`tile_rows`: the average rows per expert as a power of two, 8 to 256), then its remaining rows as one
     more tile, the smallest of tm, tm/2, ... (`remainder_tiles`) that holds them; each tile one dense
     [rows, H] x [H, 2I] SwiGLU with its expert's weights. This is the megablox/gmm schedule written in plain JAX,
     with a few smaller tile sizes for the ragged ends: a group wastes less than half of its last tile instead of
     up to tm - 1 rows, at one matmul more per group than its whole tiles.
-`experts_sorted` with "tiles" runs the same schedule with the gather and the weighted scatter-add inside each
+`experts_sorted` with the tiles runs the same schedule with the gather and the weighted scatter-add inside each
 tile (`_sorted_tiles_fused`), so no [M, H] sorted copy of the tokens or [M, H] expert output is made; the routing
 weights scale each tile's SwiGLU activations.
-The default ("auto") is "ragged_dot" on TPU and "tiles" elsewhere (`_default_impl` says why). On CPU the sorted
+`grouped_ragged` runs on TPU and `grouped_tiles` elsewhere (`experts_sorted(..., grouped=fn)` takes any grouped
+matmul of this signature instead: the kernel boundary, in code). On CPU the sorted
 path with tiles gets most of its E/k FLOP advantage over the dense baseline (tiles run at the dense path's GFLOP/s;
 what is lost is the gather, the scatter-add and the padding of each group's last tile), and `ragged_dot`, which
 XLA:CPU lowers to slow loops, is slower than the dense path: `python benchmarks/moe.py` times the three paths and
@@ -56,6 +57,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35.config import Qwen35Config
+from qwen35.execution import Execution
 from qwen35.kernels.fp8 import (ACT_BLOCK, E4M3_MAX, FP8_BLOCK, dequantize_fp8_activations, fp8_dequantize,
                                 fp8_round_activations, quantize_fp8_activations)
 from qwen35.kernels.grouped_matmul import check_expert_weights, check_routed, experts_sorted_pallas
@@ -70,6 +72,8 @@ __all__ = [
     "GATHER_UNROLL_MAX",
     "experts_capacity",
     "grouped_swiglu",
+    "grouped_tiles",
+    "grouped_ragged",
     "tile_rows",
     "remainder_tiles",
     "sort_by_expert",
@@ -86,12 +90,8 @@ __all__ = [
     "fp8_round_activations",
     "ACT_BLOCK",
     "E4M3_MAX",
-    "IMPLS",
-    "GROUPED_IMPLS",
 ]
 
-IMPLS = ("dense", "sorted", "capacity")
-GROUPED_IMPLS = ("auto", "tiles", "ragged_dot")
 DEFAULT_TILE = 256
 
 
@@ -168,15 +168,37 @@ def experts_dense(x, weights, experts, gate_up, down, *, act_block: int | None =
 
 # ------------------------------------------------------------------------------------------------------------
 # Path 2: sort + grouped matmul
-def _default_impl() -> str:
-    """ragged_dot on TPU, where XLA runs it as a grouped matmul; tiles elsewhere. XLA:CPU lowers ragged_dot to slow
-    loops, and XLA:GPU (jax 0.11, H200) to one dense product over every expert's block of H: a [M, E·H] operand
-    (64 GiB for 65,536 routed rows of Qwen3.5-35B-A3B)."""
-    return "ragged_dot" if jax.default_backend() == "tpu" else "tiles"
+def _ragged_here() -> bool:
+    """Whether the grouped matmul is `grouped_ragged` on this platform: on TPU, where XLA runs ragged_dot as a
+    grouped matmul; elsewhere `grouped_tiles`. XLA:CPU lowers ragged_dot to slow loops, and XLA:GPU (jax 0.11,
+    H200) to one dense product over every expert's block of H: a [M, E·H] operand (64 GiB for 65,536 routed rows of
+    Qwen3.5-35B-A3B)."""
+    return jax.default_backend() == "tpu"
+
+
+def _check_grouped(x_sorted, group_sizes, gate_up, down):
+    """The grouped matmul's operands as arrays, shapes checked."""
+    x_sorted, group_sizes, gate_up, down = _arrays(x_sorted, group_sizes, gate_up, down)
+    if x_sorted.ndim != 2:
+        raise ValueError(f"x_sorted must be [M, H], got shape {_shape(x_sorted)}")
+    E, _ = check_expert_weights(gate_up, down, x_sorted.shape[1])
+    if _shape(group_sizes) != (E,):
+        raise ValueError(f"group_sizes must be [E] = [{E}], got shape {_shape(group_sizes)}")
+    dtype = x_sorted.dtype
+    return x_sorted, group_sizes, gate_up.astype(dtype), down.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("act_block",))
+def grouped_ragged(x_sorted, group_sizes, gate_up, down, *, act_block: int | None = None):
+    """`grouped_swiglu` as two `jax.lax.ragged_dot_general` products straight on the HF [E, 2I, H] layout (x's H
+    contracts with gate_up's last axis: no weight transpose). What XLA runs as a grouped matmul on TPU."""
+    x_sorted, group_sizes, gate_up, down = _check_grouped(x_sorted, group_sizes, gate_up, down)
+    if x_sorted.shape[0] == 0:
+        return jnp.zeros_like(x_sorted)
+    return _grouped_ragged(x_sorted, group_sizes.astype(jnp.int32), gate_up, down, act_block).astype(x_sorted.dtype)
 
 
 def _grouped_ragged(x_sorted, group_sizes, gate_up, down, act_block=None):
-    # Contract x's H with gate_up's last axis (the HF [E, 2I, H] layout), so no weight transpose is needed.
     dn_gu = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     h = jax.lax.ragged_dot_general(_round_input(x_sorted, act_block), gate_up, group_sizes, dn_gu)  # [M, 2I]
@@ -272,8 +294,18 @@ def _tile_swiglu(x_t, gate_up_e, down_e, scale=None, act_block=None):
     return jnp.einsum("ti,hi->th", a, down_e)
 
 
+@functools.partial(jax.jit, static_argnames=("tile", "act_block"))
+def grouped_tiles(x_sorted, group_sizes, gate_up, down, *, tile: int = DEFAULT_TILE, act_block: int | None = None):
+    """`grouped_swiglu` as row tiles of one expert each (`tile`: the largest tile; the one used depends on the rows
+    per expert, `tile_rows`). What runs off TPU."""
+    x_sorted, group_sizes, gate_up, down = _check_grouped(x_sorted, group_sizes, gate_up, down)
+    if x_sorted.shape[0] == 0:
+        return jnp.zeros_like(x_sorted)
+    return _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile, act_block).astype(x_sorted.dtype)
+
+
 def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int, act_block=None):
-    """The "tiles" path of `grouped_swiglu`: every tile (`_tile_loops`) reads its rows of x_sorted in place and
+    """`grouped_tiles`' body: every tile (`_tile_loops`) reads its rows of x_sorted in place and
     writes its own rows of the result in place (no padded copy of the rows or the result: padding x and y by a
     tile and slicing y back would copy [M, H] arrays for no gain)."""
     M, H = x_sorted.shape
@@ -289,7 +321,7 @@ def _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile: int, act_block=No
 
 
 def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: int, act_block=None):
-    """`experts_sorted` with the "tiles" path, the gather and the weighted scatter-add done per tile: each tile
+    """`experts_sorted` with the tiles, the gather and the weighted scatter-add done per tile: each tile
     gathers its rows' tokens from x, runs its expert (the routing weights folded into the SwiGLU activations), and
     adds its own rows into the [N, H] result. No [M, H] sorted copy of the tokens and no [M, H] expert output
     (each a fresh k-times-the-tokens buffer that is written, then read once). The routing weights scale the
@@ -307,59 +339,41 @@ def _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up, down, tile: in
     return _tile_loops(jnp.zeros((N, H), x.dtype), group_sizes, token.shape[0], tile, (gate_up, down), run_tile)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile", "act_block"))
-def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE,
-                   act_block: int | None = None):
+@functools.partial(jax.jit, static_argnames=("tile", "act_block"))
+def grouped_swiglu(x_sorted, group_sizes, gate_up, down, *, tile: int = DEFAULT_TILE, act_block: int | None = None):
     """Grouped SwiGLU expert MLP: rows [starts[e], starts[e] + group_sizes[e]) of x_sorted go through expert e.
 
-    x_sorted [M, H], group_sizes [E] int (Σ = M), gate_up [E, 2I, H], down [E, H, I] -> [M, H] in x's dtype.
-    `impl`: "auto" (ragged_dot on TPU, tiles elsewhere), "tiles" or "ragged_dot" (see the module docstring);
-    `tile`: the largest row tile of "tiles" (the one used depends on the rows per expert: `tile_rows`);
-    `act_block`: W8A8, as in `experts_dense`. This is the kernel boundary: a Pallas grouped matmul can replace it without touching the routing.
+    x_sorted [M, H], group_sizes [E] int (Σ = M), gate_up [E, 2I, H], down [E, H, I] -> [M, H] in x's dtype:
+    `grouped_ragged` on TPU, `grouped_tiles` (largest row tile `tile`) elsewhere (see the module docstring);
+    `act_block`: W8A8, as in `experts_dense`. This is the kernel boundary: a Pallas grouped matmul can replace it
+    without touching the routing.
     """
-    x_sorted, group_sizes, gate_up, down = _arrays(x_sorted, group_sizes, gate_up, down)
-    if x_sorted.ndim != 2:
-        raise ValueError(f"x_sorted must be [M, H], got shape {_shape(x_sorted)}")
-    E, _ = check_expert_weights(gate_up, down, x_sorted.shape[1])
-    if _shape(group_sizes) != (E,):
-        raise ValueError(f"group_sizes must be [E] = [{E}], got shape {_shape(group_sizes)}")
-    if impl not in GROUPED_IMPLS:
-        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = _default_impl()
-    dtype = x_sorted.dtype
-    gate_up, down = gate_up.astype(dtype), down.astype(dtype)
-    if x_sorted.shape[0] == 0:
-        return jnp.zeros_like(x_sorted)
-    if impl == "ragged_dot":
-        y = _grouped_ragged(x_sorted, group_sizes.astype(jnp.int32), gate_up, down, act_block)
-    else:
-        y = _grouped_tiles(x_sorted, group_sizes, gate_up, down, tile, act_block)
-    return y.astype(dtype)
+    if _ragged_here():
+        return grouped_ragged(x_sorted, group_sizes, gate_up, down, act_block=act_block)
+    return grouped_tiles(x_sorted, group_sizes, gate_up, down, tile=tile, act_block=act_block)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "tile", "act_block"))
-def experts_sorted(x, weights, experts, gate_up, down, *, impl: str = "auto", tile: int = DEFAULT_TILE,
+@functools.partial(jax.jit, static_argnames=("grouped", "tile", "act_block"))
+def experts_sorted(x, weights, experts, gate_up, down, *, grouped=None, tile: int = DEFAULT_TILE,
                    act_block: int | None = None):
     """Sort the N·k slots by expert, gather their tokens, grouped SwiGLU, weighted scatter-add back to tokens.
 
     Exactly the useful FLOPs (2·N·k·3IH); the data movement is a gather and a scatter-add of M = N·k rows. With
-    the "tiles" implementation each tile does its own gather and scatter-add (`_sorted_tiles_fused`); with "ragged_dot"
-    the whole [M, H] sorted rows go through `grouped_swiglu`. `act_block`: W8A8, as in `experts_dense`."""
+    the tiles (off TPU) each tile does its own gather and scatter-add (`_sorted_tiles_fused`); on TPU the whole
+    [M, H] sorted rows go through `grouped_ragged`. `grouped`: a grouped matmul of `grouped_swiglu`'s signature to
+    run instead (e.g. `grouped_ragged` on a CPU, or a kernel). `act_block`: W8A8, as in `experts_dense`."""
     x, weights, experts, gate_up, down = _arrays(x, weights, experts, gate_up, down)
     N, H, E, k = check_routed(x, weights, experts, gate_up, down)
     order, group_sizes = sort_by_expert(experts, E)
     token = order // k  # token of each sorted row
     w_sorted = weights.reshape(-1)[order].astype(x.dtype)
-    if impl not in GROUPED_IMPLS:
-        raise ValueError(f"impl must be one of {GROUPED_IMPLS}, got {impl!r}")
     if N == 0:
         return jnp.zeros_like(x)
-    if (_default_impl() if impl == "auto" else impl) == "tiles":  # gather and scatter-add inside the tiles
+    if grouped is None and not _ragged_here():  # gather and scatter-add inside the tiles
         return _sorted_tiles_fused(x, token, w_sorted, group_sizes, gate_up.astype(x.dtype), down.astype(x.dtype),
                                    tile, act_block)
     x_sorted = x[token]  # [M, H]
-    y_sorted = grouped_swiglu(x_sorted, group_sizes, gate_up, down, impl=impl, tile=tile, act_block=act_block)
+    y_sorted = (grouped or grouped_ragged)(x_sorted, group_sizes, gate_up, down, act_block=act_block)
     return jnp.zeros((N, H), x.dtype).at[token].add(y_sorted * w_sorted[:, None])
 
 
@@ -614,44 +628,36 @@ class SparseMoeBlock(nnx.Module):
     `experts.down_proj` [E, H, I], `shared_expert.{gate,up}_proj.weight` [Is, H], `shared_expert.down_proj.weight`
     [H, Is], `shared_expert_gate.weight` [1, H].
 
-    `impl` picks the expert path: "sorted" (default; a decode-sized batch with N·k <= E takes `experts_gather`,
-    the same sum with the used experts' weights gathered, and a batch whose dense work N·E·3IH is at most
-    `DENSE_MAX_MACS` multiply-adds takes `experts_dense`; with `config.backend == "pallas"` every batch size takes
-    the Pallas kernels, `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU,
-    unpermute; FP8 experts go to them as FP8 tiles + block scales), "dense" or "capacity" (with
-    `capacity_factor`, default 1.25; its drop statistics are available from `experts_capacity`). `grouped_impl`
-    is passed to `grouped_swiglu` by the sorted path.
+    `execution` (a `qwen35.execution.Execution`) picks how the routed experts run, in one place (`routed`):
+    `experts` "sorted" (default; a decode-sized batch with N·k <= E takes `experts_gather`, the same sum with the
+    used experts' weights gathered, and a batch whose dense work N·E·3IH is at most `DENSE_MAX_MACS`
+    multiply-adds takes `experts_dense`; with `kernels="pallas"` every batch size takes the Pallas kernels,
+    `qwen35.kernels.grouped_matmul.experts_sorted_pallas`: permute, grouped SwiGLU, unpermute; FP8 experts go to
+    them as FP8 tiles + block scales), "dense" or "capacity" (slots per expert `execution.capacity`; its drop
+    statistics are available from `experts_capacity`).
 
-    `config.act_fp8` (W8A8; FP8 experts and impl "sorted" or "dense"): the routed tokens and the SwiGLU output are
-    quantised to FP8 per row and 512 columns before their matmuls. With `backend == "pallas"` the kernels multiply
+    `execution.w8a8` (FP8 experts, `experts` "sorted" or "dense"): the routed tokens and the SwiGLU output are
+    quantised to FP8 per row and 512 columns before their matmuls. With `kernels="pallas"` the kernels multiply
     FP8 by FP8 (the MXU's FP8 rate); the XLA paths round the activations through FP8 and multiply the dequantised
     weights (`fp8_round_activations`: the same values). The shared expert stays in the compute dtype.
     `__call__(x [B, T, H]) -> (y [B, T, H], router_logits [B·T, E] fp32)`.
     """
 
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, impl: str = "sorted",
-                 capacity_factor: float | None = None, grouped_impl: str = "auto", fp8_experts: bool = False):
-        c = config
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        if capacity_factor is not None and impl != "capacity":
-            raise ValueError(f"capacity_factor={capacity_factor} only applies to impl='capacity', not {impl!r}")
-        if impl == "capacity" and capacity_factor is None:
-            capacity_factor = 1.25
-        if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-        if grouped_impl not in GROUPED_IMPLS:
-            raise ValueError(f"grouped_impl must be one of {GROUPED_IMPLS}, got {grouped_impl!r}")
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, fp8_experts: bool = False,
+                 execution: Execution = Execution()):
+        c, ex = config, execution
         if c.num_experts_per_tok > c.num_experts:
             raise ValueError(f"num_experts_per_tok ({c.num_experts_per_tok}) cannot exceed num_experts "
                              f"({c.num_experts})")
-        if c.act_fp8 and not fp8_experts:
-            raise ValueError("config.act_fp8 (W8A8) multiplies FP8 activations with FP8 expert weights: build the "
+        if ex.w8a8 and not fp8_experts:
+            raise ValueError("Execution(w8a8=True) multiplies FP8 activations with FP8 expert weights: build the "
                              "model with fp8_experts=True, or load an FP8 checkpoint with fp8='keep'")
-        if c.act_fp8 and impl == "capacity":
-            raise ValueError("config.act_fp8 runs with moe_impl 'sorted' or 'dense', not 'capacity'")
-        self.config = c
-        self.impl, self.capacity_factor, self.grouped_impl = impl, capacity_factor, grouped_impl
+        if ex.w8a8 and (c.hidden_size % ACT_BLOCK or c.moe_intermediate_size % ACT_BLOCK):
+            raise ValueError(
+                f"Execution(w8a8=True) quantises the expert activations in {ACT_BLOCK}-wide blocks, so hidden_size "
+                f"and moe_intermediate_size must be multiples of {ACT_BLOCK}, got {c.hidden_size} and "
+                f"{c.moe_intermediate_size}; use w8a8=False (activations stay in the compute dtype)")
+        self.config, self.execution = c, ex
         self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
         H = c.hidden_size
         self.gate = TopKRouter(c.num_experts, H, rngs=rngs, param_dtype=param_dtype)
@@ -664,33 +670,33 @@ class SparseMoeBlock(nnx.Module):
             self.shared_expert = self.shared_expert_gate = None
 
     def routed(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
-        """The routed-expert sum for x [N, H] with the configured path."""
-        ex = self.experts
-        if self.impl == "sorted" and self.config.backend == "pallas":  # the Pallas kernels, prefill and decode
+        """The routed-expert sum for x [N, H] on one device, as `execution` says."""
+        ex, run = self.experts, self.execution
+        if run.experts == "sorted" and run.kernels == "pallas":  # the Pallas kernels, prefill and decode
             tiles = ex.fp8_tiles()
             if tiles is not None:  # FP8 tiles read in VMEM
                 gu, dn, gs, ds = tiles
                 return experts_sorted_pallas(x, weights, experts, gu, dn, gate_up_scale=gs, down_scale=ds,
-                                             act_fp8=self.config.act_fp8)
+                                             w8a8=run.w8a8)
             return experts_sorted_pallas(x, weights, experts, *ex.dequantized(x.dtype))
         gu, dn = ex.dequantized(x.dtype)
-        act = ACT_BLOCK if self.config.act_fp8 else None
-        if self.impl == "dense":
+        act = ACT_BLOCK if run.w8a8 else None
+        if run.experts == "dense":
             return experts_dense(x, weights, experts, gu, dn, act_block=act)
-        if self.impl == "capacity":
-            return experts_capacity(x, weights, experts, gu, dn, capacity_factor=self.capacity_factor)[0]
+        if run.experts == "capacity":
+            return experts_capacity(x, weights, experts, gu, dn, capacity_factor=run.capacity)[0]
         N, E, I2, H = x.shape[0], *gu.shape
         if N * self.top_k <= self.num_experts and act is None:  # decode-sized: gather the used experts' weights
             return experts_gather(x, weights, experts, gu, dn)
         if N * E * 3 * (I2 // 2) * H <= DENSE_MAX_MACS:  # so little work that the fewest ops win (see the constant)
             return experts_dense(x, weights, experts, gu, dn, act_block=act)
-        return experts_sorted(x, weights, experts, gu, dn, impl=self.grouped_impl, act_block=act)
+        return experts_sorted(x, weights, experts, gu, dn, act_block=act)
 
     def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
         """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the
-        routed-expert sum, around the same router and shared expert: a sharded model's execution hands in the
-        expert-parallel exchange (`qwen35.sharding.MeshExecution.routed_fn`, a `shard_map`), the serving engine's
-        data-parallel step, already inside a `shard_map`, its explicit collectives (`qwen35.sharding.moe_ep_local`)."""
+        routed-expert sum, around the same router and shared expert: a placed model hands in the expert-parallel
+        exchange (`qwen35.sharding.placement.routed_on_mesh`, a `shard_map`), the serving engine's data-parallel
+        step, already inside a `shard_map`, its explicit collectives (`qwen35.sharding.moe_ep_local`)."""
         H = self.config.hidden_size
         if x.ndim != 3 or x.shape[-1] != H:
             raise ValueError(f"SparseMoeBlock expects x [B, T, {H}], got {_shape(x)}")

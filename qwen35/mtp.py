@@ -29,6 +29,7 @@ from flax import nnx
 from qwen35.attention import KVCache
 from qwen35.config import FULL, Qwen35Config
 from qwen35.decoder import DecoderLayer
+from qwen35.execution import Execution
 from qwen35.layers import Linear, RMSNorm
 
 __all__ = ["MultiTokenPredictor"]
@@ -38,8 +39,8 @@ class MultiTokenPredictor(nnx.Module):
     """`mtp.*`: `mtp_num_hidden_layers` full-attention decoder layers behind the fc projection (see the module
     docstring). Built by `Qwen35ForCausalLM(config, mtp=True)`; run through `Qwen35ForCausalLM.mtp_logits`."""
 
-    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, moe_impl: str = "sorted",
-                 fp8_experts: bool = False):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32, fp8_experts: bool = False,
+                 execution: Execution = Execution()):
         c = config
         if c.mtp_num_hidden_layers < 1:
             raise ValueError(f"config.mtp_num_hidden_layers is {c.mtp_num_hidden_layers}: this configuration has no "
@@ -49,8 +50,8 @@ class MultiTokenPredictor(nnx.Module):
         self.pre_fc_norm_hidden = RMSNorm(H, c.rms_norm_eps, param_dtype=param_dtype)
         self.fc = Linear(2 * H, H, rngs=rngs, param_dtype=param_dtype)
         self.layers = nnx.List([
-            DecoderLayer(c, 0, rngs=rngs, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts,
-                         layer_type=FULL)
+            DecoderLayer(c, 0, rngs=rngs, param_dtype=param_dtype, fp8_experts=fp8_experts, layer_type=FULL,
+                         execution=execution)
             for _ in range(c.mtp_num_hidden_layers)
         ])
         self.norm = RMSNorm(H, c.rms_norm_eps, param_dtype=param_dtype)

@@ -179,7 +179,7 @@ PRECISIONS: dict[str, Precision] = {
     for p in [
         # fp8 weights + one fp32 scale per 128×128 block; bf16 KV; bf16 GDN state (the Ironwood post's assumptions).
         # The fp8 matmul peak needs both operands in FP8: the activations quantised too (W8A8, 512-wide scales,
-        # `grouped_swiglu(act_fp8=True)`); "fp8-w8a16" keeps bf16 activations (the same bytes, the bf16 peak).
+        # `grouped_swiglu(w8a8=True)`); "fp8-w8a16" keeps bf16 activations (the same bytes, the bf16 peak).
         Precision("fp8", 1 + 4 / FP8_BLOCK**2, 2, 2, 2, "fp8", "bf16"),
         Precision("fp8-w8a16", 1 + 4 / FP8_BLOCK**2, 2, 2, 2, "bf16", "bf16"),
         Precision("bf16", 2, 2, 2, 2, "bf16", "bf16"),

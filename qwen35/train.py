@@ -31,6 +31,7 @@ import optax
 from flax import nnx
 
 from qwen35.config import Qwen35Config
+from qwen35.execution import Execution
 from qwen35.model import Qwen35ForCausalLM
 from qwen35.moe import load_balancing_loss
 
@@ -111,7 +112,8 @@ def train(config: Qwen35Config, tokens: np.ndarray, *, steps: int = 1000, minute
     """AdamW (warmup, then cosine decay over `steps`) on random windows of `tokens`, for `steps` steps or until
     `minutes` pass, whichever comes first. Returns (model, history: list of (step, seconds, ce, aux, mtp)). The experts use the dense path,
     which is differentiable and the fastest for 8 small experts."""
-    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(seed), mtp=config.mtp_num_hidden_layers > 0, moe_impl="dense")
+    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(seed), mtp=config.mtp_num_hidden_layers > 0,
+                              execution=Execution(experts="dense"))
     sched = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 10), steps, lr / 10)
     opt = nnx.Optimizer(model, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.05)),
                         wrt=nnx.Param)

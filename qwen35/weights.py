@@ -54,6 +54,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35.config import FP8_BLOCK, Qwen35Config
+from qwen35.execution import Execution
 from qwen35.model import Qwen35ForCausalLM
 
 __all__ = [
@@ -234,11 +235,11 @@ def quantize_experts_fp8(model: Qwen35ForCausalLM) -> Qwen35ForCausalLM:
     (`fp8_block_quantize`: float8_e4m3fn + one float32 scale per 128x128 block), everything else shared as it
     is. `save_hf_checkpoint` writes it in the official format: the way to make FP8 checkpoints to test and teach
     with. The original is untouched."""
-    if model.execution is not None:
+    if model.placed:
         raise ValueError("quantize_experts_fp8 takes an unsharded model (quantise first, then shard it)")
     abstract = Qwen35ForCausalLM.abstract(model.config, param_dtype=model.model.embed_tokens.weight[...].dtype,
-                                          dtype=model.dtype, moe_impl=model.model.layers[0].mlp.impl,
-                                          fp8_experts=True, mtp=model.mtp is not None)
+                                          dtype=model.dtype, execution=model.execution, fp8_experts=True,
+                                          mtp=model.mtp is not None)
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     dst = {".".join(map(str, path)): var for path, var in flat}
@@ -406,11 +407,9 @@ def load_hf_checkpoint(
     *,
     dtype=jnp.float32,
     param_dtype=None,
-    moe_impl: str = "sorted",
-    backend: str | None = None,
+    execution: Execution = Execution(),
     shardings: Callable[[str, tuple[int, ...]], jax.sharding.Sharding | None] | None = None,
     fp8: str = "dequantize",
-    act_fp8: bool = False,
     mtp: bool = False,
     progress: bool | None = None,
 ) -> Qwen35ForCausalLM:
@@ -420,8 +419,8 @@ def load_hf_checkpoint(
       path: folder with `config.json` and `model.safetensors` or `model.safetensors.index.json` + shards.
       dtype: activation dtype of the model.
       param_dtype: dtype of the parameters (default: `dtype`). Every tensor is cast to it as it is read.
-      moe_impl: expert path ("sorted", "dense", "capacity"), as in `Qwen35ForCausalLM`.
-      backend: overrides the config's `backend` ("xla" or "pallas").
+      execution: how the model runs (`qwen35.execution.Execution`: kernels, expert path, W8A8), as in
+        `Qwen35ForCausalLM`; `Execution(w8a8=True)` needs fp8="keep" and a checkpoint whose routed experts are FP8.
       shardings: `(name, shape) -> jax.sharding.Sharding | None`, called per parameter with its HF name (e.g.
         "model.layers.0.mlp.experts.gate_up_proj", and with fp8="keep" "...gate_up_proj_scale_inv"); the tensor
         is `jax.device_put` there (None: default device).
@@ -435,8 +434,6 @@ def load_hf_checkpoint(
         experts are not FP8 loads as with "dequantize". Per-expert FP8 tensors need moe_intermediate_size to
         be a multiple of 128 (gate and up rows then fill whole scale blocks of the fused [E, 2I, H] tensor;
         every released Qwen3.5 size is).
-      act_fp8: W8A8 experts (`Qwen35Config.act_fp8`): the kept FP8 experts multiply FP8 activations. Needs
-        fp8="keep" and a checkpoint whose routed experts are FP8.
       mtp: also load the multi-token-prediction head (`mtp.*`, `model.mtp`; see `qwen35.mtp`). Without it the
         `mtp.*` tensors are skipped, and a checkpoint that has none loads as before.
       progress: show a tqdm bar (default: only when stderr is a terminal).
@@ -449,18 +446,17 @@ def load_hf_checkpoint(
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a checkpoint folder")
-    if act_fp8 and fp8 != "keep":
-        raise ValueError("act_fp8=True multiplies FP8 activations with the checkpoint's FP8 experts: load with "
-                         "fp8='keep'")
-    overrides = {"backend": backend} if backend is not None else {}
-    config = Qwen35Config.from_hf(path, **overrides, **({"act_fp8": True} if act_fp8 else {}))
+    if execution.w8a8 and fp8 != "keep":
+        raise ValueError("Execution(w8a8=True) multiplies FP8 activations with the checkpoint's FP8 experts: load "
+                         "with fp8='keep'")
+    config = Qwen35Config.from_hf(path)
     param_dtype = jnp.dtype(param_dtype or dtype)
     np_param_dtype = np.dtype(param_dtype)
 
     # 1. The model's shapes, without allocating anything.
     def build(fp8_experts: bool):  # W8A8 needs the FP8 experts; the shapes checked first are the same without it
-        cfg = config if fp8_experts else config.replace(act_fp8=False)
-        abstract = Qwen35ForCausalLM.abstract(cfg, param_dtype=param_dtype, dtype=dtype, moe_impl=moe_impl,
+        ex = execution if fp8_experts else execution.replace(w8a8=False)
+        abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, dtype=dtype, execution=ex,
                                               fp8_experts=fp8_experts, mtp=mtp)
         graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
@@ -482,9 +478,9 @@ def load_hf_checkpoint(
     if err is not None:
         raise err
     keep = fp8 == "keep" and _fp8_experts(plan, path, config)
-    if act_fp8 and not keep:
-        raise CheckpointError(f"checkpoint {path}: its routed experts are not FP8, so act_fp8=True (W8A8) has no FP8 "
-                              f"weights to multiply; load it with act_fp8=False")
+    if execution.w8a8 and not keep:
+        raise CheckpointError(f"checkpoint {path}: its routed experts are not FP8, so Execution(w8a8=True) has no "
+                              f"FP8 weights to multiply; load it with w8a8=False")
     if keep:  # the model with FP8 experts: the same parameters plus the experts' scale tensors
         graphdef, flat, expected = build(True)
 

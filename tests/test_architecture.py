@@ -64,27 +64,18 @@ def test_kernels_import_only_jax_numpy_and_other_kernels():
     assert not bad, "kernels are the ground floor (jax, numpy, other kernels only):\n  " + "\n  ".join(bad)
 
 
-# Parameters and fields that choose how an operation runs (an implementation), as the package has them today.
+# The words that choose how an operation runs: the fields of `qwen35.execution.Execution`, and the same word wherever
+# a function below it takes that choice (a kernel's `w8a8`, `default_chunk_size(kernels)`).
 IMPLEMENTATION_WORDS = {
-    "backend",         # "xla" | "pallas": the config's, read by attention, the GDN and the MoE alike
-    "impl",            # the MoE's expert path ("dense" | "sorted" | "capacity"), and the grouped matmul's
-    "moe_impl",        # the model constructor's name for the MoE's `impl`
-    "grouped_impl",    # the sorted path's grouped matmul ("auto" | "tiles" | "ragged_dot")
-    "local_impl",      # the expert-parallel exchange's local experts
-    "scheme",          # the expert-parallel exchange ("allgather" | "alltoall" | "ragged")
-    "moe_exchange",    # shard_model's name for the exchange's `scheme`
-    "transport",       # how the ragged exchange moves rows ("auto" | "native" | "padded")
-    "native",          # the same, resolved for one mesh
-    "fused",           # the engine's step as one program or one per layer
-    "act_fp8",         # W8A8: FP8 activations beside FP8 experts
-    "fp8_as_stored",   # FP8 experts handed to the kernels as stored, or dequantised
-    "fp8_tiles",       # the same, inside the exchange
-    "gate_up_layout",  # tensor-parallel experts' gate_up rows, regrouped or as stored
+    "kernels",   # "xla" | "pallas"
+    "experts",   # the MoE's expert path: "sorted" | "dense" | "capacity"
+    "exchange",  # the MoE's token exchange on a mesh: "allgather" | "ragged" | "alltoall"
+    "w8a8",      # FP8 activations times the FP8 experts
 }
 # Every other option with a string or boolean default: what it computes or reports, not how.
 OTHER_OPTIONS = {
     "activation", "attention", "attn_implementation", "axis_types", "dequantize_fp8", "desc", "description",
-    "dtype", "enable_chunked_prefill", "exchange", "expert_layout", "experts", "fp8", "fp8_experts", "hardware",
+    "dtype", "enable_chunked_prefill", "expert_layout", "fp8", "fp8_experts", "hardware",
     "hidden_act", "layout", "model", "mtp", "name", "normalize", "notes", "precision", "progress", "record_history",
     "return_cache", "return_logits", "return_stats", "speculative", "split", "step", "use_qk_l2norm", "verify_only",
     "which", "zero_centred",
@@ -117,7 +108,29 @@ def test_no_new_word_chooses_an_implementation():
     assert not unknown, (
         "new options with a string or boolean default: if one chooses how an operation runs, use an existing "
         "word (IMPLEMENTATION_WORDS) instead of a new one; otherwise add it to OTHER_OPTIONS. " + repr(unknown))
-    assert "backend" in found and "scheme" in found  # the scan sees today's words
+    assert {"kernels", "w8a8"} <= set(found)  # the scan sees the words
+
+
+def test_one_execution_value_holds_the_four_words():
+    """At most four public words choose an implementation, all fields of `Execution`; the model's config has none
+    of them (it describes the model's math only), and a model's layers all hold the one value it was built with."""
+    import dataclasses
+
+    from flax import nnx
+
+    from qwen35 import Execution, tiny
+    from qwen35.config import Qwen35Config
+    from qwen35.model import Qwen35ForCausalLM
+
+    assert len(IMPLEMENTATION_WORDS) <= 4
+    assert IMPLEMENTATION_WORDS <= {f.name for f in dataclasses.fields(Execution)}
+    assert not IMPLEMENTATION_WORDS & {f.name for f in dataclasses.fields(Qwen35Config)}
+    assert not {"backend", "act_fp8"} & {f.name for f in dataclasses.fields(Qwen35Config)}
+    ex = Execution(kernels="pallas", experts="dense")
+    model = Qwen35ForCausalLM(tiny(num_hidden_layers=2, layer_types=("linear_attention", "full_attention")),
+                              rngs=nnx.Rngs(0), execution=ex)
+    held = {id(m.execution) for _, m in nnx.iter_graph(model) if hasattr(m, "execution")}
+    assert held == {id(ex)}
 
 
 def test_fp8_constants_agree():

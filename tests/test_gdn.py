@@ -248,14 +248,15 @@ def test_default_chunk_size():
     recurrent decode."""
     assert gdn.default_chunk_size() == (16 if jax.default_backend() == "cpu" else 64)
     assert gdn.default_chunk_size("pallas") == 64
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match="kernels must be one of"):
         gdn.default_chunk_size("triton")
     cfg = qwen35.get_preset("tiny")
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=0)
     layer = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0))
     assert layer.chunk_size is None and layer.chunk_for() == gdn.default_chunk_size()
-    assert layer.chunk_for("pallas") == 64 and gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=8).chunk_for() == 8
+    pallas = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), execution=qwen35.Execution(kernels="pallas"))
+    assert pallas.chunk_for() == 64 and gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0), chunk_size=8).chunk_for() == 8
     x = jax.random.normal(jax.random.key(1), (2, 37, cfg.hidden_size), jnp.float32)
     with jax.default_matmul_precision("highest"):
         y, st = layer(x)

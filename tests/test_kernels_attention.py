@@ -1,7 +1,7 @@
 """The ragged paged attention kernel (`qwen35.kernels.ragged_paged_attention`) in TPU interpret mode with race
 detection, against the gather-then-attend reference and, per sequence, against a float64 NumPy causal attention;
-its TPU lowering; the attention layer and the whole tiny model with `backend="pallas"` against
-`backend="xla"`."""
+its TPU lowering; the attention layer and the whole tiny model with `Execution(kernels="pallas")`
+against `kernels="xla"`."""
 
 import re
 
@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import qwen35
+from qwen35.execution import Execution
 from qwen35.attention import GatedAttention
 from qwen35.config import FULL, LINEAR
 from qwen35.kernels.ragged_paged_attention import (ragged_paged_attention, ragged_paged_attention_pool,
@@ -188,7 +189,7 @@ def test_attention_layer_without_cache():
     cfg = qwen35.tiny()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, cfg.hidden_size)), jnp.float32)
     layer_xla = GatedAttention(cfg, rngs=nnx.Rngs(0))
-    layer_pal = GatedAttention(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
+    layer_pal = GatedAttention(cfg, rngs=nnx.Rngs(0), execution=Execution(kernels="pallas"))
     assert "name=_rpa" in str(jax.make_jaxpr(lambda x: layer_pal(x)[0])(x))   # the kernel is on the path
     y_xla, _ = layer_xla(x)
     y_pal, none = layer_pal(x)
@@ -202,7 +203,7 @@ def test_model_pallas_backend_matches_xla():
     attention, both with the MoE) keep the interpreter's compile time down."""
     cfg = qwen35.tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
     m_xla = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    m_pal = Qwen35ForCausalLM(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
+    m_pal = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), execution=Execution(kernels="pallas"))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 7)), jnp.int32)
     # Not a self-comparison: the pallas model's program does go through the kernels (by their jitted wrappers).
     jaxpr = str(jax.make_jaxpr(lambda i: m_pal.forward(i, m_pal.init_cache(2, 16)).logits)(ids[:, :5]))

@@ -1,5 +1,5 @@
 """The GDN Pallas kernels (chunked prefill over packed ragged batches, fused decode) against their references, in
-TPU interpret mode with race detection; their TPU lowering; and `backend="pallas"` against `backend="xla"` for a
+TPU interpret mode with race detection; their TPU lowering; and `kernels="pallas"` against `kernels="xla"` for a
 GatedDeltaNet layer and the tiny model."""
 
 import jax
@@ -11,6 +11,7 @@ from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 from helpers import BF16_EPS, assert_close, fp32_tol, gdn_terms, rule_terms
 from jax.experimental.pallas import tpu as pltpu
 
+from qwen35.execution import Execution
 from qwen35.config import tiny
 from qwen35.gdn import GatedDeltaNet, recurrent_gated_delta_rule
 from qwen35.kernels.chunked_gdn import (chunked_gdn_conv_packed, chunked_gdn_conv_reference, chunked_gdn_packed,
@@ -270,14 +271,14 @@ def test_fused_decode_lowers_for_tpu(state_dtype):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# backend="pallas" in the layer and the model
+# kernels="pallas" in the layer and the model
 @pytest.mark.timeout(240)
 def test_gdn_layer_pallas_equals_xla(rng):
     """Prefill (T not a multiple of the chunk), two decode tokens through the fused kernel, then a 3-token
     continuation through the chunked kernel from the cached state (grouped heads Hv = 2·Hk, batch 2)."""
     cx = tiny()
     lx = GatedDeltaNet(cx, rngs=nnx.Rngs(0), chunk_size=8)
-    lp = GatedDeltaNet(cx.replace(backend="pallas"), rngs=nnx.Rngs(0), chunk_size=8)
+    lp = GatedDeltaNet(cx, rngs=nnx.Rngs(0), chunk_size=8, execution=Execution(kernels="pallas"))
     call = nnx.jit(lambda layer, x, state: layer(x, state))
     x = jnp.asarray(rng.standard_normal((2, 16, cx.hidden_size)), jnp.float32)
     sx = sp = None
@@ -290,8 +291,8 @@ def test_gdn_layer_pallas_equals_xla(rng):
         assert_close(sp.conv, sx.conv, terms=cx.hidden_size, name=f"conv state after {b}")  # in_proj outputs
 
 
-# The whole tiny model with backend="pallas" (these GDN kernels and the attention kernel together) against
-# backend="xla", prefill and two decode steps: tests/test_kernels_attention.py::test_model_pallas_backend_matches_xla.
+# The whole tiny model with kernels="pallas" (these GDN kernels and the attention kernel together) against
+# kernels="xla", prefill and two decode steps: tests/test_kernels_attention.py::test_model_pallas_backend_matches_xla.
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -401,7 +402,7 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("dtype, page_size", PAGED_CASES)
 def test_paged_conv_decode_matches_gather_conv_rule_scatter(rng, dtype, page_size):
-    """`paged_conv_gdn_decode` (the engine's decode step with backend="pallas": conv window, conv + SiLU, gates and
+    """`paged_conv_gdn_decode` (the engine's decode step with kernels="pallas": conv window, conv + SiLU, gates and
     rule, both states by block id) against gather + `fused_gdn_decode_reference` (`causal_conv1d_update`,
     `gated_delta_rule_step`) + scatter, on the tiny preset's pool with scattered state blocks: a row mid-sequence,
     a fresh row (its stale blocks ignored), a padding row at NO_BLOCK (nothing read or written). Outputs and

@@ -194,7 +194,7 @@ def test_grouped_swiglu_w8a8_matches_its_reference_and_costs_a_few_percent():
     gs = np.array([17, 0, 23], np.int32)
     (gq, gsc, dq, dsc), (gu, dn) = fp8_weights(rng, Ef, Hf, If)
     x = rng.standard_normal((Mf, Hf)).astype(np.float32)
-    out = np.asarray(grouped_swiglu(x, gs, gq, dq, tm=16, gate_up_scale=gsc, down_scale=dsc, act_fp8=True,
+    out = np.asarray(grouped_swiglu(x, gs, gq, dq, tm=16, gate_up_scale=gsc, down_scale=dsc, w8a8=True,
                                     interpret=RACES))
     assert not races_found(), "the race detector flagged a W8A8 kernel"
     ref = np.asarray(grouped_swiglu_w8a8_reference(jnp.asarray(x), jnp.asarray(gs), gq, dq, gsc, dsc))
@@ -204,16 +204,17 @@ def test_grouped_swiglu_w8a8_matches_its_reference_and_costs_a_few_percent():
     rel = np.linalg.norm(ref - w8a16) / np.linalg.norm(w8a16)
     assert 0.005 < rel < 0.1, rel  # e4m3 keeps 3 mantissa bits: activations rounded twice, a few percent
     with pytest.raises(ValueError, match="needs FP8 experts"):
-        grouped_swiglu(x, gs, gu, dn, act_fp8=True)
+        grouped_swiglu(x, gs, gu, dn, w8a8=True)
 
 
 @pytest.mark.timeout(240)
 def test_moe_block_with_fp8_experts_on_the_kernels():
-    """`SparseMoeBlock` with FP8 experts and backend "pallas" hands the FP8 weights and scales to the kernels;
-    its output equals the XLA backend's, which dequantises them first."""
+    """`SparseMoeBlock` with FP8 experts and kernels="pallas" hands the FP8 weights and scales to the kernels;
+    its output equals kernels="xla"'s, which dequantises them first."""
     from flax import nnx
 
     from qwen35.config import tiny
+    from qwen35.execution import Execution
     from qwen35.moe import SparseMoeBlock
 
     cfg = tiny(hidden_size=128, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
@@ -221,13 +222,13 @@ def test_moe_block_with_fp8_experts_on_the_kernels():
     (gq, gsc, dq, dsc), _ = fp8_weights(rng, 4, 128, 128)
     x = jnp.asarray(rng.standard_normal((1, 6, 128)), jnp.float32)
     outs = {}
-    for backend in ("xla", "pallas"):
-        block = SparseMoeBlock(cfg.replace(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
+    for kernels in ("xla", "pallas"):
+        block = SparseMoeBlock(cfg, rngs=nnx.Rngs(0), fp8_experts=True, execution=Execution(kernels=kernels))
         ex = block.experts
         for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gsc),
                             ("down_proj_scale_inv", dsc)):
             getattr(ex, name).set_value(jnp.asarray(value))
-        outs[backend] = np.asarray(block(x)[0])
+        outs[kernels] = np.asarray(block(x)[0])
     assert_close(outs["pallas"], outs["xla"], terms=moe_terms(cfg), name="fp8 MoE block, pallas vs xla")
 
 
@@ -251,7 +252,7 @@ def test_moe_kernels_lower_for_tpu():
           sd((Er, Hr, Ir), jnp.float8_e4m3fn), sd((Er, 2 * Ir // 128, Hr // 128), jnp.float32),
           sd((Er, Hr // 128, Ir // 128), jnp.float32))),
         (lambda x, g, gu, d, gs, ds: grouped_swiglu(x, g, gu, d, tm=128, ti=512, th=512, gate_up_scale=gs,
-                                                     down_scale=ds, act_fp8=True, interpret=False),
+                                                     down_scale=ds, w8a8=True, interpret=False),
          (sd((Nr * kr, Hr), bf), sd((Er,), i32), sd((Er, 2 * Ir, Hr), jnp.float8_e4m3fn),
           sd((Er, Hr, Ir), jnp.float8_e4m3fn), sd((Er, 2 * Ir // 128, Hr // 128), jnp.float32),
           sd((Er, Hr // 128, Ir // 128), jnp.float32))),

@@ -137,7 +137,7 @@ def test_calls_follow_value_and_structure_changes(prompt):
     no_shared = check("submodule removed")
     assert float(jnp.max(jnp.abs(no_shared - ref))) > 1e-3
     for layer in m.model.layers:  # a static attribute
-        layer.mlp.impl = "dense"
+        layer.mlp.execution = qwen35.Execution(experts="dense")
     check("static attribute")
     qwen35.model.clear_programs()  # what the suite does between files: the next call rebuilds its program
     check("after clear_programs")

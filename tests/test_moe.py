@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
 import qwen35
+from qwen35.execution import Execution
 from qwen35 import moe
 from qwen35.parity import hf_text_config
 
@@ -161,8 +162,8 @@ def test_route_rejects_bad_inputs(rng):
 # Three expert paths
 PATHS = {
     "dense": moe.experts_dense,
-    "sorted_tiles": lambda *a: moe.experts_sorted(*a, impl="tiles"),
-    "sorted_ragged_dot": lambda *a: moe.experts_sorted(*a, impl="ragged_dot"),
+    "sorted": moe.experts_sorted,  # the tiles off TPU, gather and scatter-add inside them
+    "sorted_ragged_dot": lambda *a: moe.experts_sorted(*a, grouped=moe.grouped_ragged),
     "capacity_big": lambda *a: moe.experts_capacity(*a, capacity_factor=100.0)[0],
     "gather": moe.experts_gather,
 }
@@ -231,9 +232,11 @@ def test_grouped_swiglu_methods_agree(rng, group_sizes):
     group_sizes = np.array(group_sizes, np.int32)
     xs = rng.standard_normal((int(group_sizes.sum()), H)).astype(np.float32)
     ref = _grouped_reference(xs, group_sizes, gu, dn)
-    for impl, tile in [("tiles", 128), ("tiles", 64), ("tiles", 8), ("ragged_dot", 128), ("auto", 128)]:
-        y = jax.jit(lambda *a: moe.grouped_swiglu(*a, impl=impl, tile=tile))(xs, group_sizes, gu, dn)
-        assert_close(y, ref, terms=H + I, name=f"{impl} tile {tile}")
+    for name, fn in [("tiles 128", lambda *a: moe.grouped_tiles(*a, tile=128)),
+                     ("tiles 64", lambda *a: moe.grouped_tiles(*a, tile=64)),
+                     ("tiles 8", lambda *a: moe.grouped_tiles(*a, tile=8)),
+                     ("ragged_dot", moe.grouped_ragged), ("grouped_swiglu", moe.grouped_swiglu)]:
+        assert_close(jax.jit(fn)(xs, group_sizes, gu, dn), ref, terms=H + I, name=name)
 
 
 def _grouped_reference(xs, group_sizes, gu, dn):
@@ -252,7 +255,7 @@ def _grouped_reference(xs, group_sizes, gu, dn):
 
 _TILES_M, _TILES_E = 1100, 4  # 275 rows per expert on average: 256-row full tiles, remainders in 256 down to 16
 _FEW_M, _FEW_E = 40, 16  # 2 rows per expert: 8-row tiles, larger than the average group
-_tiles_fn = jax.jit(lambda *a: moe.grouped_swiglu(*a, impl="tiles"))
+_tiles_fn = jax.jit(moe.grouped_tiles)
 
 
 @settings(max_examples=25, deadline=None)
@@ -271,7 +274,7 @@ def test_grouped_tiles_any_group_sizes(cuts):
                  name=f"group sizes {group_sizes.tolist()}")
 
 
-_sorted_tiles_fn = jax.jit(lambda *a: moe.experts_sorted(*a, impl="tiles"))
+_sorted_tiles_fn = jax.jit(moe.experts_sorted)  # the tiles off TPU
 
 
 @settings(max_examples=15, deadline=None)
@@ -384,8 +387,8 @@ def test_path_input_checks(rng):
         moe.experts_dense(x, np.ones((5, 5), np.float32), np.zeros((5, 5), np.int32), gu, dn)
     with pytest.raises(ValueError, match="group_sizes must be"):
         moe.grouped_swiglu(x, np.array([5], np.int32), gu, dn)
-    with pytest.raises(ValueError, match="impl"):
-        moe.grouped_swiglu(x, np.array([5, 0, 0, 0], np.int32), gu, dn, impl="magic")
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        moe.grouped_ragged(x, np.array([5], np.int32), gu, dn)
     with pytest.raises(ValueError, match="capacity_factor must be positive"):
         moe.experts_capacity(x, w, e, gu, dn, capacity_factor=0.0)
 
@@ -475,8 +478,8 @@ def hf_block_from(block: moe.SparseMoeBlock, cfg) -> hf.Qwen3_5MoeSparseMoeBlock
 @pytest.mark.parametrize("preset,impl", [("tiny", "sorted"), ("odd", "sorted"), ("tiny", "dense"), ("odd", "capacity")])
 def test_block_matches_transformers(rng, preset, impl):
     cfg = qwen35.tiny() if preset == "tiny" else qwen35.tiny(**ODD)
-    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(1), impl=impl,
-                               capacity_factor=float(cfg.num_experts) if impl == "capacity" else None)
+    ex = Execution(experts=impl, capacity_factor=float(cfg.num_experts) if impl == "capacity" else None)
+    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(1), execution=ex)
     # Larger router weights than the init so routing is decisive and uneven (some experts get more).
     block.gate.weight[...] = jnp.asarray(0.3 * rng.standard_normal(block.gate.weight.shape), jnp.float32)
     ref = hf_block_from(block, cfg)
@@ -503,12 +506,12 @@ def test_block_matches_transformers(rng, preset, impl):
 
 def test_block_options_and_checks():
     cfg = qwen35.tiny()
-    with pytest.raises(ValueError, match="impl must be one of"):
-        moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="fast")
-    with pytest.raises(ValueError, match="only applies to impl='capacity'"):
-        moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), capacity_factor=2.0)
-    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="capacity")
-    assert block.capacity_factor == 1.25
+    with pytest.raises(ValueError, match="experts must be one of"):
+        Execution(experts="fast")
+    with pytest.raises(ValueError, match="applies to experts='capacity' or exchange='alltoall' only"):
+        Execution(capacity_factor=2.0)
+    block = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), execution=Execution(experts="capacity"))
+    assert block.execution.capacity == 1.25
     with pytest.raises(ValueError, match=r"expects x \[B, T, 64\]"):
         block(jnp.zeros((3, 64)))
     bf16 = moe.SparseMoeBlock(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)

@@ -17,6 +17,7 @@ import pytest
 from helpers import assert_close, assert_no_near_tie, assert_same_greedy, greedy_step_logits, model_terms
 from flax import nnx
 
+from qwen35.execution import Execution
 from qwen35 import Qwen35ForCausalLM, generate, tiny
 from qwen35.serving import BlockAllocator, Engine, SamplingParams, sample, sampling_probs
 
@@ -31,7 +32,7 @@ NUM_BLOCKS = {16: 32 * (MAX_LEN // 16 + 5) + 1, 256: 32 * (1 + 3) + 1}
 
 @pytest.fixture(scope="module")
 def model():
-    return Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), moe_impl="dense")
+    return Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), execution=Execution(experts="dense"))
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +498,7 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
 
 @pytest.mark.timeout(600)
 def test_engine_with_the_pallas_backend_matches_generate():
-    """`backend="pallas"`: the engine's attention layers go through the ragged paged attention kernel (TPU interpret
+    """`Execution(kernels="pallas")`: the engine's attention layers go through the ragged paged attention kernel (TPU interpret
     mode on CPU) over the block tables, its GDN layers through the paged decode kernel (states read and written in
     the pool by index) and the chunked prefill kernel, its experts through the grouped matmul + SwiGLU kernel, and greedy tokens equal `qwen35.generate` on the same weights with the XLA backend. Two layers (one
     GDN, one attention) keep the interpreter's compile time down."""
@@ -505,7 +506,7 @@ def test_engine_with_the_pallas_backend_matches_generate():
 
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
     m_xla = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    m_pal = Qwen35ForCausalLM(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
+    m_pal = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), execution=Execution(kernels="pallas"))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20)]
     engine = Engine(m_pal, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64)

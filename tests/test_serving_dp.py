@@ -18,6 +18,7 @@ from helpers import assert_same_greedy, greedy_step_logits, model_terms
 from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: these tests run interpreted kernels)
 from flax import nnx
 
+from qwen35.execution import Execution
 from qwen35 import Qwen35ForCausalLM, generate, sharding, tiny
 from qwen35.serving import Engine, SamplingParams
 
@@ -30,7 +31,7 @@ TERMS = model_terms(tiny(), MAX_LEN)
 @pytest.fixture(scope="module")
 def model():
     assert jax.device_count() == 8, "tests/conftest.py sets 8 fake CPU devices before jax starts"
-    return Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), moe_impl="dense")
+    return Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), execution=Execution(experts="dense"))
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +161,11 @@ def test_500_requests_over_8_ranks_and_bad_input(model):
 
 
 def test_engine_with_the_dropless_ragged_exchange(model, prompts, max_tokens, reference):
-    """A model sharded with moe_exchange="ragged": the step's MoE sends exactly the routed rows by a ragged
+    """A model whose execution says exchange="ragged": the step's MoE sends exactly the routed rows by a ragged
     all-to-all (on CPU its padded transport) instead of all-gathering; greedy tokens equal `generate`."""
-    smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), moe_exchange="ragged")
+    smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), execution=model.execution.replace(exchange="ragged"))
     engine = make_engine(smodel, None, max_num_seqs=1)
-    assert engine.dp.scheme == "ragged"
+    assert engine.model.execution.exchange == "ragged"
     outs = engine.generate(prompts[:8], [SamplingParams(max_tokens=m) for m in max_tokens[:8]])
     assert_greedy(outs, (reference[0][:8], reference[1][:8]), max_tokens[:8], "differs from generate (ragged)")
     assert_all_free(engine)
@@ -175,8 +176,8 @@ def test_meshes_the_engine_refuses(model):
     the fix in the message; nothing is half-built."""
     with pytest.raises(sharding.ShardingError, match="tensor"):
         make_engine(model, sharding.make_mesh(expert=4, model=2))
-    smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), moe_exchange="alltoall")
-    with pytest.raises(sharding.ShardingError, match="drops tokens past capacity.*moe_exchange='allgather'"):
+    smodel = sharding.shard_model(model, sharding.make_mesh(expert=8), execution=model.execution.replace(exchange="alltoall"))
+    with pytest.raises(sharding.ShardingError, match="drops tokens past capacity.*Execution\\(exchange='allgather'\\)"):
         make_engine(smodel, None)
     with pytest.raises(sharding.ShardingError, match="the model's own mesh"):
         make_engine(smodel, sharding.make_mesh(data=2, expert=4))
@@ -206,7 +207,7 @@ def test_step_collectives_match_the_napkin_formula(model):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mesh,block_size,chunked", [("data=2,expert=4", 16, True), ("expert=8", 256, False)])
 def test_pallas_backend_on_a_mesh(mesh, block_size, chunked):
-    """`backend="pallas"` inside the data-parallel step: the ragged paged attention kernel reads each rank's own
+    """`kernels="pallas"` inside the data-parallel step: the ragged paged attention kernel reads each rank's own
     pages, the paged GDN decode kernel its own state blocks, the grouped matmul kernels each device's experts, and
     greedy tokens equal `generate` with the XLA backend on one device. Two layers (one GDN, one attention) keep the
     interpreter's compile time down; each rank's pool is the engine's default (on expert=8 with 256-token pages,
@@ -215,7 +216,7 @@ def test_pallas_backend_on_a_mesh(mesh, block_size, chunked):
 
     cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
     m_xla = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
-    m_pal = Qwen35ForCausalLM(cfg.replace(backend="pallas"), rngs=nnx.Rngs(0))
+    m_pal = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), execution=Execution(kernels="pallas"))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 20, 9)]
     engine = Engine(m_pal, mesh=meshes()[mesh](), max_num_seqs=2, max_num_batched_tokens=32,
@@ -230,7 +231,7 @@ def test_pallas_backend_on_a_mesh(mesh, block_size, chunked):
 
 
 def test_serving_step_lowers_for_tpu():
-    """The engine's whole step with `backend="pallas"`, exported for a TPU from shapes (`plan.export_step`): every
+    """The engine's whole step with `kernels="pallas"`, exported for a TPU from shapes (`plan.export_step`): every
     kernel lowers with Mosaic, which checks the TPU lowering rules that the interpret-mode runs of the other tests
     skip. One device: a decode step and a mixed step (one prefill chunk beside the decodes); the (2, 4) mesh: the
     mixed step inside the data-parallel `shard_map`, the MoE's exchange around the kernels, also with FP8 experts
@@ -240,8 +241,8 @@ def test_serving_step_lowers_for_tpu():
     from qwen35.config import FULL, LINEAR
     from qwen35.serving.plan import export_step
 
-    cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), backend="pallas")
-    m = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    cfg = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL))
+    m = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), execution=Execution(kernels="pallas"))
     attention, moe = {"_rpa_kernel"}, {"_gmm_swiglu_kernel", "_gmm_kernel"}
     decode, prefill = {"_paged_conv_gdn_kernel"}, {"_conv_chunked_gdn_kernel"}
     one = Engine(m, max_num_seqs=2, max_num_batched_tokens=32, block_size=16, max_model_len=64)
@@ -258,20 +259,21 @@ def test_serving_step_lowers_for_tpu():
         assert exported.nr_devices == (8 if engine is dp else 1)
         if engine is dp:  # the MoE exchange: all-gathers and reduce-scatters between the kernels
             assert "all_gather" in text and "reduce_scatter" in text
-    # FP8 experts on the mesh, W8A16 and W8A8 (act_fp8: the kernels' FP8 x FP8 products; whole 512-wide activation
+    # FP8 experts on the mesh, W8A16 and W8A8 (w8a8: the kernels' FP8 x FP8 products; whole 512-wide activation
     # blocks): the kernels inside the exchange read each device's experts as stored, float8, never a dequantised
     # float32 copy (tests/test_w8a8.py runs the FP8 exchange on the kernels on 8 devices)
-    for act_fp8 in (False, True):
+    for w8a8 in (False, True):
         cq = tiny(num_hidden_layers=2, layer_types=(LINEAR, FULL), hidden_size=512, moe_intermediate_size=512,
-                  num_experts=8, num_experts_per_tok=2, backend="pallas", act_fp8=act_fp8)
-        mq = Qwen35ForCausalLM(cq, rngs=nnx.Rngs(0), fp8_experts=True)
+                  num_experts=8, num_experts_per_tok=2)
+        mq = Qwen35ForCausalLM(cq, rngs=nnx.Rngs(0), fp8_experts=True,
+                               execution=Execution(kernels="pallas", w8a8=w8a8))
         dpq = Engine(mq, mesh=sharding.make_mesh(data=2, expert=4), max_num_seqs=2, max_num_batched_tokens=32,
                      block_size=16, max_model_len=64, num_blocks=11)
         text = export_step(dpq, (2, P, 32, 1, 16, 0)).mlir_module()
-        assert moe <= set(re.findall(r'kernel_name = "([^"]+)"', text)) and "all_gather" in text, act_fp8
+        assert moe <= set(re.findall(r'kernel_name = "([^"]+)"', text)) and "all_gather" in text, w8a8
         E, I2, H = mq.model.layers[0].mlp.experts.gate_up_proj[...].shape
-        assert f"tensor<{E // 4}x{I2}x{H}xf8E4M3FN>" in text, act_fp8      # each device's FP8 gate_up, as stored
-        assert f"tensor<{E // 4}x{I2}x{H}xf32>" not in text, act_fp8       # and no dequantised copy of it
+        assert f"tensor<{E // 4}x{I2}x{H}xf8E4M3FN>" in text, w8a8      # each device's FP8 gate_up, as stored
+        assert f"tensor<{E // 4}x{I2}x{H}xf32>" not in text, w8a8       # and no dequantised copy of it
 
 
 def test_step_memory_from_shapes_alone():

@@ -10,6 +10,7 @@ from flax import nnx
 from helpers import assert_close, assert_no_near_tie, greedy_step_logits, model_terms
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec as P
 
+from qwen35.execution import EXCHANGES, Execution
 from qwen35 import config as C
 from qwen35 import sharding as S
 from qwen35.model import Qwen35ForCausalLM
@@ -34,18 +35,19 @@ def assert_logits_close(got, want, model, name):
     assert_close(got, want, terms=model_terms(model.config, 9), name=name)
 
 
-@pytest.mark.parametrize("exchange", S.SCHEMES)
+@pytest.mark.parametrize("exchange", EXCHANGES)
 def test_sharded_tiny_model_equals_unsharded(tiny_model_and_reference, exchange):
     model, ids, ref = tiny_model_and_reference
     mesh = S.make_mesh(expert=8)
     E, k = model.config.num_experts, model.config.num_experts_per_tok
     cf = E / k if exchange == "alltoall" else None  # E/k: nothing dropped
-    smodel = S.shard_model(model, mesh, moe_exchange=exchange, capacity_factor=cf)
-    assert smodel is not model and model.execution is None and model.mesh is None  # the original is untouched
-    assert smodel.execution == S.MeshExecution(mesh, tuple(S.LOGICAL_RULES), exchange, cf)
-    assert smodel.mesh is mesh and type(smodel) is type(model)  # the same class and layers, another execution
+    ex = model.execution.replace(exchange=exchange, capacity_factor=cf)
+    smodel = S.shard_model(model, mesh, execution=ex)
+    assert smodel is not model and model.execution == Execution() and model.mesh is None  # the original untouched
+    assert smodel.execution.replace(mesh=None, rules=None) == ex and smodel.execution.mesh is mesh
+    assert smodel.mesh is mesh and isinstance(smodel, S.PlacedLM) and not model.placed  # built placed, not assigned
     mlp = smodel.model.layers[0].mlp
-    assert mlp.impl == "sorted"  # each device's own experts still take the layer's path
+    assert mlp.execution is smodel.execution  # every layer holds the one value it was built with
     # parameters: experts E/8 per device, attention and GDN replicated
     gu = mlp.experts.gate_up_proj[...]
     assert gu.sharding.spec == P("expert", None, None)
@@ -79,8 +81,8 @@ def test_pure_data_parallel_mesh_replicates_the_experts(tiny_model_and_reference
         logits, cache = smodel(ids[:, sl], cache=cache)
         assert_logits_close(np.asarray(logits), ref[step], model, f"data=8 step {step}")
     assert cache.layers[0].recurrent.sharding.spec[0] == "data"
-    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*moe_exchange='allgather'"):
-        S.shard_model(model, mesh, moe_exchange="ragged")
+    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*exchange='allgather'"):
+        S.shard_model(model, mesh, execution=Execution(exchange="ragged"))
 
 
 def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and_reference, tmp_path):
@@ -109,7 +111,7 @@ def test_load_sharded_places_tensors_as_read_and_equals_unsharded(tiny_model_and
     assert gu.addressable_shards[0].data.shape == (model.config.num_experts // 8, *gu.shape[1:])
 
     smodel = S.load_sharded(tmp_path, mesh, progress=False)
-    assert smodel.execution.moe_exchange == "allgather" and smodel.mesh is mesh
+    assert smodel.execution.exchange == "allgather" and smodel.mesh is mesh
     cache = smodel.init_cache(8, 16)
     for step, sl in enumerate((slice(0, 7), slice(7, 8), slice(8, 9))):
         logits, cache = smodel(ids[:, sl], cache=cache)
@@ -165,7 +167,8 @@ TP_LAYOUTS = {
     # "model", experts over "expert")
     "tp_attention+ep_x_tp_moe": (dict(expert=4, model=2), dict(rules=S.rules_with(expert_mlp=("model",)))),
     # TP=4 attention with the 2 KV heads replicated (what TP=8 on the real model must do), chunked exchange
-    "tp4_replicated_kv+chunks": (dict(expert=2, model=4), dict(rules=S.rules_with(kv_heads=()), moe_chunks=2)),
+    "tp4_replicated_kv+chunks": (dict(expert=2, model=4), dict(rules=S.rules_with(kv_heads=()),
+                                                             execution=Execution(moe_chunks=2))),
 }
 
 
@@ -205,8 +208,8 @@ def test_two_level_mesh_specs_and_batch_errors(tiny_model_and_reference):
         smodel.init_cache(6, 16)
     with pytest.raises(S.ShardingError, match="batch 4 cannot be split"):
         smodel(ids[:4, :3])
-    with pytest.raises(ValueError, match="moe_exchange must be one of"):
-        S.shard_model(model, mesh, moe_exchange="ring")
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        S.shard_model(model, mesh, execution=Execution(exchange="ring"))
     with pytest.raises(S.ShardingError, match="2 KV heads cannot be split"):
         S.shard_model(model, S.make_mesh(data=2, model=4))
 

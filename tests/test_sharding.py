@@ -13,6 +13,7 @@ from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: som
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from qwen35.execution import Execution
 from qwen35 import config as C
 from qwen35 import sharding as S
 from qwen35.model import Qwen35ForCausalLM
@@ -121,7 +122,7 @@ def test_pack_routing_round_trip_is_bit_exact(rng):
 # Expert-parallel MoE
 def _moe_block(num_experts=16):
     cfg = C.tiny(num_experts=num_experts)
-    return cfg, SparseMoeBlock(cfg, rngs=nnx.Rngs(0), impl="dense")
+    return cfg, SparseMoeBlock(cfg, rngs=nnx.Rngs(0), execution=Execution(experts="dense"))
 
 
 def _sharded_block(block, x, mesh, **kw):
@@ -129,8 +130,8 @@ def _sharded_block(block, x, mesh, **kw):
     B, T, H = x.shape
     x_nh = x.reshape(B * T, H)
     w, e, _ = route(x_nh, block.gate.weight[...], block.top_k)
-    y, stats = S.moe_ep(x_nh, w, e, block.experts.gate_up_proj[...], block.experts.down_proj[...], mesh=mesh,
-                        return_stats=True, **kw)
+    y, stats = S.moe_ep(x_nh, w, e, block.experts.gate_up_proj[...], block.experts.down_proj[...],
+                        Execution(mesh=mesh, **kw), return_stats=True)
     shared = jax.nn.sigmoid(block.shared_expert_gate(x_nh)) * block.shared_expert(x_nh)
     return (y + shared).reshape(B, T, H), stats
 
@@ -141,12 +142,12 @@ def test_moe_ep_both_schemes_equal_the_unsharded_block(mesh_name, rng):
     mesh = S.make_mesh(**MESHES[mesh_name])
     x = jnp.asarray(rng.normal(size=(2, 8, cfg.hidden_size)), jnp.float32)  # 16 tokens: 2 per device
     ref, _ = block(x)
-    y_ag, st = _sharded_block(block, x, mesh, scheme="allgather")
+    y_ag, st = _sharded_block(block, x, mesh, exchange="allgather")
     assert_close(y_ag, ref, terms=moe_terms(cfg), name="all-gather")
     assert int(st.dropped) == 0 and st.capacity is None
     # Capacity factor E/k gives C = t (every slot of a device could go to one expert): nothing can drop.
     cf = cfg.num_experts / cfg.num_experts_per_tok
-    y_a2a, st = _sharded_block(block, x, mesh, scheme="alltoall", capacity_factor=cf)
+    y_a2a, st = _sharded_block(block, x, mesh, exchange="alltoall", capacity_factor=cf)
     assert_close(y_a2a, ref, terms=moe_terms(cfg), name="all-to-all")
     assert int(st.dropped) == 0 and st.capacity == 2
 
@@ -167,10 +168,10 @@ def _routed_inputs(rng, N=32, H=16, E=16, k=2, I=8, skew=0.0):
 def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
     x, w, e, gu, dn = _routed_inputs(rng)
     ref = experts_dense(x, w, e, gu, dn)
-    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4), local_impl="dense")
+    y = S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(data=2, expert=4), experts="dense"))
     assert_close(y, ref, terms=ROUTED_TERMS, name="data=2 x expert=4")
     # chip x core: experts and tokens over both axes, reduce-scatter hierarchical (core first, then chip).
-    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(chip=4, core=2), local_impl="dense")
+    y = S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(chip=4, core=2), experts="dense"))
     assert_close(y, ref, terms=ROUTED_TERMS, name="chip=4 x core=2")
 
 
@@ -178,7 +179,7 @@ def test_moe_ep_allgather_dense_local_path_and_two_level_mesh(rng):
                                               ("allgather", dict(expert=4, model=2), True)],
                          ids=["allgather", "ragged", "allgather-ep4-tp2"])
 def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypatch, exchange, axes, tp):
-    """`MeshExecution` (a model placed by `shard_model`) with backend="pallas": the all-gather and the ragged
+    """The MoE of a placed model (`moe_on_mesh`) with kernels="pallas": the all-gather and the ragged
     all-to-all exchanges, and the EP x TP hybrid (each device an I/2 slice of its experts), run each device's
     experts on the grouped matmul + SwiGLU kernels (`grouped_swiglu`, called while tracing), and the MoE's routed
     sum equals the dense sum on one device."""
@@ -188,28 +189,30 @@ def test_a_pallas_model_on_a_mesh_runs_its_experts_on_the_kernels(rng, monkeypat
     calls = []
     real = grouped_matmul.grouped_swiglu
     monkeypatch.setattr(grouped_matmul, "grouped_swiglu", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    cfg = tiny(backend="pallas")
-    block = SparseMoeBlock(cfg, rngs=nnx.Rngs(0))
+    cfg = tiny()
+    ex = Execution(kernels="pallas", exchange=exchange, mesh=S.make_mesh(**axes), rules=TP if tp else None)
+    block = SparseMoeBlock(cfg, rngs=nnx.Rngs(0), execution=ex)
     x = jnp.asarray(rng.normal(size=(24, cfg.hidden_size)), jnp.float32)  # 3 tokens per device
     w, e, _ = route(x, block.gate.weight[...], cfg.num_experts_per_tok)
     with jax.default_matmul_precision("highest"):
-        execution = S.MeshExecution(S.make_mesh(**axes), rules=TP if tp else S.LOGICAL_RULES, moe_exchange=exchange)
-        got = execution.routed_fn()(block, x, w, e)
         want = experts_dense(x, w, e, *block.experts.dequantized(jnp.float32))
+        if tp:  # a placed TP-MoE block's gate|up rows, regrouped as shard_model stores them
+            block.experts.gate_up_proj[...] = S.tp_interleave_gate_up(block.experts.gate_up_proj[...], 2)
+        got = S.moe_on_mesh(block, x, w, e)
     jax.effects_barrier()
     assert calls, f"the mesh's MoE ({exchange}, {axes}) did not run the kernels"
     assert_close(got, want, terms=moe_terms(cfg), name=f"pallas model on {axes} ({exchange}) vs dense")
 
 
 def test_a_pallas_model_on_cpu_devices_warns_when_the_interpreter_may_starve(monkeypatch):
-    """Placing a `backend="pallas"` model on 8 CPU devices with XLA's CPU pool under twice the devices (the core
+    """Placing a `kernels="pallas"` model on 8 CPU devices with XLA's CPU pool under twice the devices (the core
     count, or NPROC) warns and names the fix (TPU interpret mode can hang there); with NPROC=32 it does not."""
     import warnings
 
     from qwen35 import tiny
 
-    model = Qwen35ForCausalLM(tiny(backend="pallas", num_hidden_layers=1, layer_types=("full_attention",)),
-                              rngs=nnx.Rngs(0))
+    model = Qwen35ForCausalLM(tiny(num_hidden_layers=1, layer_types=("full_attention",)), rngs=nnx.Rngs(0),
+                              execution=Execution(kernels="pallas"))
     monkeypatch.setenv("NPROC", "2")
     with pytest.warns(RuntimeWarning, match="NPROC=32"):
         S.shard_model(model, S.make_mesh(expert=8))
@@ -221,10 +224,10 @@ def test_a_pallas_model_on_cpu_devices_warns_when_the_interpreter_may_starve(mon
 
 def test_moe_ep_reads_fp8_experts_as_stored_when_exported_for_tpu():
     """FP8 experts with their block scales through the all-gather exchange on the kernels (W8A16, and W8A8 with
-    act_fp8), exported for TPU on expert=8: the grouped matmul kernels are in the program, each device's experts
+    w8a8), exported for TPU on expert=8: the grouped matmul kernels are in the program, each device's experts
     enter them as float8, and no float32 copy of them is made (tests/test_w8a8.py runs the same exchange
-    interpreted on 8 devices against the references). Scales given to a path that cannot read them, or act_fp8
-    without them, are refused."""
+    interpreted on 8 devices against the references). Scales given to a path that cannot read them are refused;
+    W8A8 without them is the XLA paths' activation rounding, which needs whole 512-wide blocks."""
     from qwen35.kernels.interpret import lower_for_tpu
     from qwen35.weights import fp8_block_quantize
 
@@ -236,24 +239,24 @@ def test_moe_ep_reads_fp8_experts_as_stored_when_exported_for_tpu():
     args = (jax.ShapeDtypeStruct((N, H), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.float32),
             jax.ShapeDtypeStruct((N, k), jnp.int32), *(jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)
                                                        for a in (gq, dq, gs, ds)))
-    for act_fp8 in (False, True):
+    for w8a8 in (False, True):
         def f(x, w, e, gu, dn, gsc, dsc):
-            return S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="pallas", gate_up_scale=gsc, down_scale=dsc,
-                            act_fp8=act_fp8)
+            return S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, kernels="pallas", w8a8=w8a8), gate_up_scale=gsc,
+                            down_scale=dsc)
         with lower_for_tpu():
             text = jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
         kernels = set(re.findall(r'kernel_name = "([^"]+)"', text))
-        assert {"_gmm_swiglu_kernel", "_gmm_kernel"} <= kernels and "all_gather" in text, (act_fp8, kernels)
-        assert f"tensor<1x{2 * I}x{H}xf8E4M3FN>" in text and f"tensor<1x{2 * I}x{H}xf32>" not in text, act_fp8
+        assert {"_gmm_swiglu_kernel", "_gmm_kernel"} <= kernels and "all_gather" in text, (w8a8, kernels)
+        assert f"tensor<1x{2 * I}x{H}xf8E4M3FN>" in text and f"tensor<1x{2 * I}x{H}xf32>" not in text, w8a8
     x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1))
     with pytest.raises(ValueError, match="read as stored"):
-        S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="sorted", gate_up_scale=gs, down_scale=ds)
-    with pytest.raises(ValueError, match="act_fp8"):
-        S.moe_ep(x, w, e, gu, dn, mesh=mesh, local_impl="pallas", act_fp8=True)
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh), gate_up_scale=gs, down_scale=ds)
+    with pytest.raises(S.ShardingError, match="W8A8 quantises the expert activations in 512-wide blocks"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, kernels="pallas", w8a8=True))
 
 
-@pytest.mark.parametrize("local_impl", ["sorted", "pallas"])
-def test_moe_ep_allgather_runs_each_slot_on_one_device(rng, monkeypatch, local_impl):
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_moe_ep_allgather_runs_each_slot_on_one_device(rng, monkeypatch, kernels):
     """In the all-gather exchange each device sums only the slots routed to its own experts: another device's slots
     get the id El, past its local experts, so they sort after every group and no matmul runs on them. Counted at
     run time on every device of expert=8: the slots the local sum groups add up to N·k over the devices (given
@@ -262,7 +265,7 @@ def test_moe_ep_allgather_runs_each_slot_on_one_device(rng, monkeypatch, local_i
     from qwen35.sharding import exchange
 
     counted = []
-    name, module = (("experts_sorted", exchange) if local_impl == "sorted"
+    name, module = (("experts_sorted", exchange) if kernels == "xla"
                     else ("experts_sorted_pallas", grouped_matmul))
     real = getattr(module, name)
 
@@ -272,9 +275,9 @@ def test_moe_ep_allgather_runs_each_slot_on_one_device(rng, monkeypatch, local_i
 
     monkeypatch.setattr(module, name, spy)
     x, w, e, gu, dn = _routed_inputs(rng, N=40)  # a shape no other test traces (a cached trace would skip the spy)
-    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), local_impl=local_impl)
+    y = S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(expert=8), kernels=kernels))
     jax.effects_barrier()
-    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=f"expert=8, {local_impl}")
+    assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=f"expert=8, {kernels}")
     assert len(counted) == 8 and sum(counted) == e.size, counted
 
 
@@ -282,7 +285,7 @@ def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
     E, k, cf = 16, 2, 1.0
     x, w, e, gu, dn = _routed_inputs(rng, E=E, k=k, skew=3.0)
     mesh = S.make_mesh(data=2, expert=4)
-    y, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="alltoall", capacity_factor=cf, return_stats=True)
+    y, st = S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, exchange="alltoall", capacity_factor=cf), return_stats=True)
     t = x.shape[0] // 8
     assert st.capacity == int(np.ceil(cf * t * k / E))
     # numpy: per device (its t tokens), slots past C per expert are dropped.
@@ -299,22 +302,23 @@ def test_moe_ep_alltoall_drops_like_capacity_on_each_shard(rng):
 def test_moe_ep_errors():
     x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=12)
     with pytest.raises(S.ShardingError, match="12 tokens cannot be split over data=2×expert=4 = 8 devices"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=2, expert=4))
-    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*use scheme 'allgather'"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(data=8), scheme="alltoall")
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(data=2, expert=4)))
+    with pytest.raises(S.ShardingError, match="no axis the 'experts' rule maps to.*use exchange 'allgather'"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(data=8), exchange="alltoall"))
     with pytest.raises(S.ShardingError, match="16 experts cannot be split over expert=3"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=3, devices=jax.devices()[:3]))
-    with pytest.raises(ValueError, match="scheme must be one of"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), scheme="ring")
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(expert=3, devices=jax.devices()[:3])))
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(expert=8), exchange="ring"))
 
 
 def test_moe_ep_pure_data_parallel_runs_every_expert_on_each_device(rng):
     """make_mesh(data=8): experts replicated, each device's tokens through all of them, no collective at all."""
     x, w, e, gu, dn = _routed_inputs(rng)
     mesh = S.make_mesh(data=8)
-    y = S.moe_ep(x, w, e, gu, dn, mesh=mesh)
+    y = S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh))
     assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name="data=8")
-    hlo = jax.jit(functools.partial(S.moe_ep, mesh=mesh)).lower(x, w, e, gu, dn).compile().as_text()
+    hlo = jax.jit(functools.partial(S.moe_ep, execution=Execution(mesh=mesh))).lower(x, w, e, gu, dn).compile()
+    hlo = hlo.as_text()
     assert S.hlo_collective_bytes(hlo)["ops"] == 0
 
 
@@ -384,27 +388,26 @@ def test_moe_ep_ragged_is_dropless_under_skewed_routing(mesh_name, rng):
                 "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP))}[mesh_name]
     mesh = S.make_mesh(**axes)
     if not kw:
-        _, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="alltoall", capacity_factor=1.0, return_stats=True)
+        _, st = S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, exchange="alltoall", capacity_factor=1.0), return_stats=True)
         assert int(st.dropped) > 0, "the routing is not skewed enough to test droplessness"
-    y, st = S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", return_stats=True, **kw)
+    y, st = S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, exchange="ragged", **kw), return_stats=True)
     assert int(st.dropped) == 0 and st.capacity is None
     assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=f"ragged on {mesh_name}")
 
 
-def test_ragged_native_transport_lowers_to_ragged_all_to_all_and_cpu_refuses_it(rng):
+def test_ragged_native_transport_lowers_to_ragged_all_to_all(rng):
     """On TPU / GPU the exchange is two `ragged_all_to_all`s (forward and back); lowered here from shapes, it names
-    them. XLA:CPU has none: asking for it says what to use."""
+    them (XLA:CPU, which has none, runs the padded transport). A capacity factor is refused: nothing drops."""
     from qwen35.sharding import exchange
 
     x, w, e, gu, dn = _routed_inputs(rng)
     mesh = S.make_mesh(expert=8)
-    f = exchange._ep_fn(mesh, "ragged", ("expert",), ("expert",), (), None, "sorted", False, 1, True, True)
+    f = exchange._ep_fn(mesh, "ragged", ("expert",), ("expert",), (), None, "sorted", False, 1, True, True, None,
+                        False, False)
     text = f.lower(x, w, e, gu, dn).as_text()
     assert text.count("ragged_all_to_all") == 2
-    with pytest.raises(S.ShardingError, match="no ragged all-to-all.*transport='padded'"):
-        S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", transport="native")
-    with pytest.raises(ValueError, match="capacity_factor applies to scheme='alltoall' only"):
-        S.moe_ep(x, w, e, gu, dn, mesh=mesh, scheme="ragged", capacity_factor=2.0)
+    with pytest.raises(ValueError, match="applies to experts='capacity' or exchange='alltoall' only"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=mesh, exchange="ragged", capacity_factor=2.0))
 
 
 def test_ragged_bytes_counts_the_slots_that_leave_their_device():
@@ -465,7 +468,8 @@ def test_moe_comm_bytes_match_the_compiled_hlo(scheme):
     N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     mesh = S.make_mesh(data=2, expert=4)  # EP groups of 4 devices, t = 32 / 8 = 4 tokens each
     cf = 1.25 if scheme == "alltoall" else None
-    f = jax.jit(functools.partial(S.moe_ep, mesh=mesh, scheme=scheme, capacity_factor=cf, local_impl="dense"))
+    ex = Execution(mesh=mesh, exchange=scheme, capacity_factor=cf, experts="dense")
+    f = jax.jit(functools.partial(S.moe_ep, execution=ex))
     args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
             jnp.zeros((E, H, I)))
     hlo = f.lower(*args).compile().as_text()
@@ -488,7 +492,8 @@ def test_ragged_padded_transport_bytes_in_the_compiled_hlo():
     cfg = C.tiny(num_experts=16)
     N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     n, t = 4, 4  # data=2 x expert=4: 4 devices per exchange, 32 / 8 tokens each
-    f = jax.jit(functools.partial(S.moe_ep, mesh=S.make_mesh(data=2, expert=4), scheme="ragged"))
+    f = jax.jit(functools.partial(S.moe_ep, execution=Execution(mesh=S.make_mesh(data=2, expert=4),
+                                                                exchange="ragged")))
     args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
             jnp.zeros((E, H, I)))
     got = S.hlo_collective_bytes(f.lower(*args).compile().as_text())
@@ -501,14 +506,14 @@ def test_ragged_padded_transport_bytes_in_the_compiled_hlo():
 # ------------------------------------------------------------------------------------------------------------
 # Tensor-parallel experts, the EP x TP hybrid, chunked exchange, hierarchical all-gather, placement by load
 TP = S.rules_with(expert_mlp=("model",))
-LAYOUTS = {  # name -> (mesh axes, moe_ep keywords)
+LAYOUTS = {  # name -> (mesh axes, Execution fields)
     "tp8": (dict(model=8), dict(rules=TP)),
     "ep4_tp2": (dict(expert=4, model=2), dict(rules=TP)),
-    "ep2_tp4_chunks2": (dict(expert=2, model=4), dict(rules=TP, chunks=2)),
-    "ep8_chunks4": (dict(expert=8), dict(chunks=4)),
-    "chip_core_chunks2": (dict(chip=4, core=2), dict(chunks=2)),
-    "a2a_ep4_tp2": (dict(expert=4, model=2), dict(rules=TP, scheme="alltoall", capacity_factor=8.0)),
-    "a2a_ep8_chunks2": (dict(expert=8), dict(scheme="alltoall", capacity_factor=8.0, chunks=2)),
+    "ep2_tp4_chunks2": (dict(expert=2, model=4), dict(rules=TP, moe_chunks=2)),
+    "ep8_chunks4": (dict(expert=8), dict(moe_chunks=4)),
+    "chip_core_chunks2": (dict(chip=4, core=2), dict(moe_chunks=2)),
+    "a2a_ep4_tp2": (dict(expert=4, model=2), dict(rules=TP, exchange="alltoall", capacity_factor=8.0)),
+    "a2a_ep8_chunks2": (dict(expert=8), dict(exchange="alltoall", capacity_factor=8.0, moe_chunks=2)),
 }
 
 
@@ -519,7 +524,7 @@ def test_tp_moe_hybrid_and_chunked_exchange_equal_the_dense_reference(layout, rn
     # uneven routing: experts 12-15 get no slots, the others 2-10 each (distinct experts per token)
     e = jnp.asarray(np.stack([rng.choice(12, 2, replace=False) for _ in range(32)]), jnp.int32)
     assert set(np.unique(np.asarray(e))) == set(range(12))
-    y = S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(**axes), local_impl="dense", **kw)
+    y = S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(**axes), experts="dense", **kw))
     assert_close(y, experts_dense(x, w, e, gu, dn), terms=ROUTED_TERMS, name=layout)
 
 
@@ -538,12 +543,12 @@ def test_tp_interleave_gives_each_device_its_gate_and_up_columns(rng):
 def test_tp_and_chunk_errors_name_the_axis():
     x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=16, I=6)
     with pytest.raises(S.ShardingError, match=r"expert width I = 6 cannot be split over model=4 \(expert_mlp\)"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=2, model=4), rules=TP)
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(expert=2, model=4), rules=TP))
     x, w, e, gu, dn = _routed_inputs(np.random.default_rng(1), N=16, I=8)
-    with pytest.raises(S.ShardingError, match="'alltoall' .* use scheme 'allgather'"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(model=8), rules=TP, scheme="alltoall")
-    with pytest.raises(S.ShardingError, match="chunks=3 must divide the 2 tokens per device"):
-        S.moe_ep(x, w, e, gu, dn, mesh=S.make_mesh(expert=8), chunks=3)
+    with pytest.raises(S.ShardingError, match="'alltoall' .* use exchange 'allgather'"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(model=8), rules=TP, exchange="alltoall"))
+    with pytest.raises(S.ShardingError, match="moe_chunks=3 must divide the 2 tokens per device"):
+        S.moe_ep(x, w, e, gu, dn, Execution(mesh=S.make_mesh(expert=8), moe_chunks=3))
     with pytest.raises(S.ShardingError, match="no rule for logical axis 'expert_width'"):
         S.rules_with(expert_width=("model",))
 
@@ -567,7 +572,8 @@ def test_tp_moe_comm_bytes_match_the_compiled_hlo(chunks):
     cfg = C.tiny(num_experts=16)
     N, H, E, k, I = 32, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     mesh = S.make_mesh(expert=4, model=2)  # EP 4 x TP 2: tokens split 4 ways (t = 8), replicated over "model"
-    f = jax.jit(functools.partial(S.moe_ep, mesh=mesh, rules=TP, local_impl="dense", chunks=chunks))
+    ex = Execution(mesh=mesh, rules=TP, experts="dense", moe_chunks=chunks)
+    f = jax.jit(functools.partial(S.moe_ep, execution=ex))
     args = (jnp.zeros((N, H)), jnp.zeros((N, k)), jnp.zeros((N, k), jnp.int32), jnp.zeros((E, 2 * I, H)),
             jnp.zeros((E, H, I)))
     hlo = f.lower(*args).compile().as_text()

@@ -15,6 +15,7 @@ import pytest
 from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: these tests run interpreted kernels)
 from flax import nnx
 
+from qwen35.execution import Execution
 from qwen35 import Qwen35ForCausalLM, generate, load_trained, sharding, tiny
 from qwen35.serving import Engine, SamplingParams, sampling_probs
 from qwen35.serving.sampling import verify_drafts
@@ -98,11 +99,12 @@ def test_speculative_under_cache_pressure_stop_tokens_and_a_mesh(trained, prompt
 
 @pytest.mark.timeout(600)
 def test_speculative_with_the_pallas_backend(trained, prompts, reference):
-    """`backend="pallas"` (TPU kernels in interpret mode): the verify rows go through the ragged paged attention
+    """`Execution(kernels="pallas")` (TPU kernels in interpret mode): the verify rows go through the ragged paged attention
     kernel as rows of k + 1 queries and the GDN decode kernel token by token; greedy tokens equal generate's (XLA
     backend), with drafts accepted. Three requests, 8 tokens: the interpreter's compiles dominate."""
     model, _ = trained
-    pal = Qwen35ForCausalLM(model.config.replace(backend="pallas"), rngs=nnx.Rngs(0), mtp=True)
+    pal = Qwen35ForCausalLM(model.config, rngs=nnx.Rngs(0), mtp=True,
+                            execution=Execution(kernels="pallas"))
     nnx.update(pal, nnx.state(model))
     eng = engine(pal, 2, max_model_len=64)
     outs = eng.generate(prompts[:3], SamplingParams(max_tokens=8))
@@ -159,7 +161,7 @@ def test_speculative_sampling_is_seeded_and_batch_invariant(trained, prompts):
 
 
 def test_speculative_needs_the_mtp_head():
-    m = Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), moe_impl="dense")
+    m = Qwen35ForCausalLM(tiny(), rngs=nnx.Rngs(0), execution=Execution(experts="dense"))
     with pytest.raises(ValueError, match="mtp=True"):
         Engine(m, speculative_tokens=2)
     with pytest.raises(ValueError, match="speculative_tokens"):

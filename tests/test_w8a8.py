@@ -1,4 +1,4 @@
-"""W8A8 experts (`Qwen35Config.act_fp8`): FP8 activations with one scale per row and 512 columns times FP8 weights
+"""W8A8 experts (`Execution(w8a8=True)`): FP8 activations with one scale per row and 512 columns times FP8 weights
 with 128x128 block scales. The XLA paths (dense, sorted tiles, ragged_dot, the expert-parallel exchanges) against
 the plain reference `grouped_swiglu_w8a8_reference`; the MoE block on the Pallas kernels against the XLA path; a
 checkpoint loaded with it; and the errors that say how to switch it on.
@@ -18,10 +18,10 @@ from pallas_helpers import clean_interpreter  # noqa: F401 (autouse fixture: the
 
 import qwen35
 from qwen35 import sharding as S
-from qwen35.config import ConfigError
+from qwen35.execution import Execution
 from qwen35.kernels.grouped_matmul import grouped_swiglu_w8a8_reference
-from qwen35.moe import (ACT_BLOCK, SparseMoeBlock, experts_dense, experts_sorted, fp8_round_activations, route,
-                        sort_by_expert)
+from qwen35.moe import (ACT_BLOCK, SparseMoeBlock, experts_dense, experts_sorted, fp8_round_activations,
+                        grouped_ragged, grouped_tiles, route, sort_by_expert)
 from qwen35.weights import CheckpointError, fp8_block_dequantize, fp8_block_quantize
 
 H = I = ACT_BLOCK  # whole 512-wide activation blocks along both contractions
@@ -81,7 +81,8 @@ def test_xla_w8a8_paths_equal_the_reference(path):
         if path == "dense":
             y = experts_dense(x, weights, experts, gu, dn, act_block=ACT_BLOCK)
         else:
-            y = experts_sorted(x, weights, experts, gu, dn, impl=path, act_block=ACT_BLOCK)
+            grouped = {"tiles": grouped_tiles, "ragged_dot": grouped_ragged}[path]
+            y = experts_sorted(x, weights, experts, gu, dn, grouped=grouped, act_block=ACT_BLOCK)
         plain = experts_dense(x, weights, experts, gu, dn)
     want = w8a8_reference(x, weights, experts, gq, gs, dq, ds)
     assert_w8a8_close(y, want, path)
@@ -92,12 +93,13 @@ def test_xla_w8a8_paths_equal_the_reference(path):
 def w8a8_config(**kw):
     return qwen35.tiny(hidden_size=H, moe_intermediate_size=I, num_experts=8, num_experts_per_tok=2,
                        num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), vocab_size=256,
-                       shared_expert_intermediate_size=64, act_fp8=True, **kw)
+                       shared_expert_intermediate_size=64, **kw)
 
 
-def w8a8_block(backend, gq, gs, dq, ds):
-    """A W8A8 `SparseMoeBlock` on `backend` whose FP8 experts and block scales are the given ones."""
-    block = SparseMoeBlock(w8a8_config(backend=backend), rngs=nnx.Rngs(0), fp8_experts=True)
+def w8a8_block(kernels, gq, gs, dq, ds, **execution):
+    """A W8A8 `SparseMoeBlock` on `kernels` whose FP8 experts and block scales are the given ones."""
+    block = SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0), fp8_experts=True,
+                           execution=Execution(kernels=kernels, w8a8=True, **execution))
     for name, value in (("gate_up_proj", gq), ("down_proj", dq), ("gate_up_proj_scale_inv", gs),
                         ("down_proj_scale_inv", ds)):
         getattr(block.experts, name).set_value(jnp.asarray(value))
@@ -106,37 +108,37 @@ def w8a8_block(backend, gq, gs, dq, ds):
 
 @pytest.mark.timeout(300)
 def test_moe_block_w8a8_on_the_kernels_equals_xla():
-    """`SparseMoeBlock` with `act_fp8`: backend "pallas" multiplies FP8 by FP8 in the kernels, backend "xla" rounds
+    """`SparseMoeBlock` with `w8a8`: kernels "pallas" multiply FP8 by FP8 in the kernels, kernels "xla" round
     the activations through FP8 and multiplies the dequantised weights; both equal the reference."""
     rng = np.random.default_rng(2)
     gq, gs, dq, ds = fp8_experts(rng, 8)
     x = jnp.asarray(rng.standard_normal((1, 6, H)), jnp.float32)
     outs = {}
-    for backend in ("xla", "pallas"):
-        block = w8a8_block(backend, gq, gs, dq, ds)
+    for kernels in ("xla", "pallas"):
+        block = w8a8_block(kernels, gq, gs, dq, ds)
         with jax.default_matmul_precision("highest"):
-            outs[backend] = np.asarray(block(x)[0])
+            outs[kernels] = np.asarray(block(x)[0])
             w, e, _ = route(x[0], block.gate.weight[...], 2)
-            shared = outs[backend][0] - np.asarray(block.routed(x[0], w, e))
+            shared = outs[kernels][0] - np.asarray(block.routed(x[0], w, e))
     assert_w8a8_close(outs["pallas"], outs["xla"], "MoE block, pallas vs xla")
     assert_w8a8_close(outs["xla"][0] - shared, w8a8_reference(x[0], w, e, gq, gs, dq, ds), "MoE block vs reference")
 
 
 @pytest.mark.parametrize("scheme", ["allgather", "ragged"])
-@pytest.mark.parametrize("act_fp8", [False, True])
-def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8, scheme):
+@pytest.mark.parametrize("w8a8", [False, True])
+def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(w8a8, scheme):
     """The all-gather and the ragged all-to-all exchanges on expert=8 with FP8 experts as stored (one per device,
     its 128x128 block scales beside it) on the grouped matmul kernels, interpreted: W8A16 equals the dense sum of
-    the dequantised experts, W8A8 (`act_fp8`) the plain W8A8 reference. (The same all-gather program exported for
+    the dequantised experts, W8A8 (`w8a8`) the plain W8A8 reference. (The same all-gather program exported for
     TPU reads float8 experts and makes no float32 copy: tests/test_sharding.py.)"""
     rng = np.random.default_rng(5)
     k = 2
     (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=k)
     with jax.default_matmul_precision("highest"):
-        got = S.moe_ep(x, weights, experts, jnp.asarray(gq), jnp.asarray(dq), mesh=S.make_mesh(expert=8),
-                       scheme=scheme, local_impl="pallas", gate_up_scale=jnp.asarray(gs),
-                       down_scale=jnp.asarray(ds), act_fp8=act_fp8)
-        if act_fp8:
+        ex = Execution(mesh=S.make_mesh(expert=8), exchange=scheme, kernels="pallas", w8a8=w8a8)
+        got = S.moe_ep(x, weights, experts, jnp.asarray(gq), jnp.asarray(dq), ex, gate_up_scale=jnp.asarray(gs),
+                       down_scale=jnp.asarray(ds))
+        if w8a8:
             assert_w8a8_close(got, w8a8_reference(x, weights, experts, gq, gs, dq, ds), f"W8A8 on expert=8 ({scheme})")
         else:
             want = experts_dense(x, weights, experts, fp8_block_dequantize(gq, gs), fp8_block_dequantize(dq, ds))
@@ -145,7 +147,7 @@ def test_moe_ep_runs_fp8_experts_on_the_kernels_on_8_devices(act_fp8, scheme):
 
 def test_the_engines_exchange_reads_fp8_experts_on_the_kernels(monkeypatch):
     """`moe_ep_local` (the serving engine's MoE inside its step's `shard_map`) with a W8A8 block on the kernels
-    (backend "pallas") on expert=8, each device holding one FP8 expert and its scales: both exact exchanges run
+    (kernels "pallas") on expert=8, each device holding one FP8 expert and its scales: both exact exchanges run
     the grouped kernels on the FP8 experts as stored (FP8 x FP8) and equal the plain W8A8 reference."""
     from jax.sharding import PartitionSpec as P
 
@@ -157,61 +159,61 @@ def test_the_engines_exchange_reads_fp8_experts_on_the_kernels(monkeypatch):
 
     rng = np.random.default_rng(7)
     (gq, gs, dq, ds), x, experts, weights = fp8_problem(rng, E=8, N=16, k=2)
-    block = w8a8_block("pallas", gq, gs, dq, ds)
-    graph, state = nnx.split(block)
-    paths, treedef = jax.tree_util.tree_flatten_with_path(state)
-    specs = [P("expert") if "experts" in jax.tree_util.keystr(path) else P() for path, _ in paths]
     mesh = S.make_mesh(expert=8)
-    want = w8a8_reference(x, weights, experts, gq, gs, dq, ds)
     for scheme in ("allgather", "ragged"):
-        def body(leaves, x, w, e, scheme=scheme):
+        block = w8a8_block("pallas", gq, gs, dq, ds, exchange=scheme, mesh=mesh)
+        graph, state = nnx.split(block)
+        paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+        specs = [P("expert") if "experts" in jax.tree_util.keystr(path) else P() for path, _ in paths]
+        want = w8a8_reference(x, weights, experts, gq, gs, dq, ds)
+
+        def body(leaves, x, w, e, graph=graph, treedef=treedef):
             local = nnx.merge(graph, jax.tree.unflatten(treedef, leaves))
-            return S.moe_ep_local(local, x, w, e, expert_axes=("expert",), scheme=scheme)
+            return S.moe_ep_local(local, x, w, e, expert_axes=("expert",))
 
         run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P("expert"), P("expert"), P("expert")),
                                     out_specs=P("expert"), check_vma=False))
         with jax.default_matmul_precision("highest"):
             got = run([leaf for _, leaf in paths], jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts))
-        assert [(c["gate_up_scale"] is not None, c["act_fp8"]) for c in calls] == [(True, True)], (scheme, calls)
+        assert [(c["gate_up_scale"] is not None, c["w8a8"]) for c in calls] == [(True, True)], (scheme, calls)
         calls.clear()
         assert_w8a8_close(got, want, f"the engine's {scheme} exchange on the kernels vs W8A8 reference")
 
 
 @pytest.mark.timeout(300)
 def test_w8a8_checkpoint_loads_serves_sharded_and_moves_logits_a_little(tmp_path):
-    """An FP8 checkpoint loaded with act_fp8=True (fp8="keep"): the in-memory W8A8 model's logits; against the
+    """An FP8 checkpoint loaded with Execution(w8a8=True) (fp8="keep"): the in-memory W8A8 model's logits; against the
     same checkpoint's W8A16 logits a small nonzero change; on an expert=8 mesh (all-gather and ragged exchanges)
     the single-device W8A8 logits."""
     cfg = w8a8_config()
-    model = qwen35.Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), fp8_experts=True)
+    model = qwen35.Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0), fp8_experts=True, execution=Execution(w8a8=True))
     path = qwen35.save_hf_checkpoint(model, tmp_path / "fp8")
     ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (8, 6))
-    w8a8 = qwen35.load_hf_checkpoint(path, fp8="keep", act_fp8=True, progress=False)
+    w8a8 = qwen35.load_hf_checkpoint(path, fp8="keep", execution=Execution(w8a8=True), progress=False)
     w8a16 = qwen35.load_hf_checkpoint(path, fp8="keep", progress=False)
-    assert w8a8.config.act_fp8 and not w8a16.config.act_fp8
+    assert w8a8.execution.w8a8 and not w8a16.execution.w8a8
     with jax.default_matmul_precision("highest"):
         got, mem, plain = (np.asarray(m(ids)[0]) for m in (w8a8, model, w8a16))
         assert_close(got, mem, terms=model_terms(cfg, 6), name="W8A8 logits, loaded vs in memory")
         rel = np.linalg.norm(got - plain) / np.linalg.norm(plain)
         assert 1e-3 < rel < 0.3, rel
         for scheme in ("allgather", "ragged"):
-            sharded = S.shard_model(w8a8, S.make_mesh(expert=8), moe_exchange=scheme)
+            sharded = S.shard_model(w8a8, S.make_mesh(expert=8), execution=w8a8.execution.replace(exchange=scheme))
             assert_w8a8_close(sharded(ids)[0], got, f"W8A8 logits on expert=8 ({scheme}) vs one device")
 
 
 def test_w8a8_says_how_to_switch_it_on(tmp_path):
-    with pytest.raises(ConfigError, match="multiples of 512"):
-        qwen35.tiny(act_fp8=True)
+    with pytest.raises(ValueError, match="multiples of 512"):
+        SparseMoeBlock(qwen35.tiny(), rngs=nnx.Rngs(0), fp8_experts=True, execution=Execution(w8a8=True))
     with pytest.raises(ValueError, match="fp8_experts=True"):
-        SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0))
+        SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0), execution=Execution(w8a8=True))
     with pytest.raises(ValueError, match="'sorted' or 'dense'"):
-        SparseMoeBlock(w8a8_config(), rngs=nnx.Rngs(0), impl="capacity", fp8_experts=True)
-    cfg = w8a8_config().replace(act_fp8=False)
+        Execution(experts="capacity", w8a8=True)
+    cfg = w8a8_config()
     bf16_experts = qwen35.save_hf_checkpoint(qwen35.Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)), tmp_path / "plain")
     with pytest.raises(ValueError, match="fp8='keep'"):
-        qwen35.load_hf_checkpoint(bf16_experts, act_fp8=True)
+        qwen35.load_hf_checkpoint(bf16_experts, execution=Execution(w8a8=True))
     with pytest.raises(CheckpointError, match="not FP8"):
-        qwen35.load_hf_checkpoint(bf16_experts, fp8="keep", act_fp8=True, progress=False)
-    model = qwen35.Qwen35ForCausalLM(w8a8_config(), rngs=nnx.Rngs(0), fp8_experts=True)
+        qwen35.load_hf_checkpoint(bf16_experts, fp8="keep", execution=Execution(w8a8=True), progress=False)
     with pytest.raises(ValueError, match="exact exchanges"):
-        S.shard_model(model, S.make_mesh(expert=8), moe_exchange="alltoall")
+        Execution(w8a8=True, exchange="alltoall")

@@ -145,11 +145,11 @@ def data_parallel(model, mesh=None):
     The engine's step is data-parallel over the mesh's "batch" axes. Refused, with the fix: a mesh axis that
     splits something else (tensor parallelism: a "model" axis of size > 1), a model sharded on another mesh, and
     the capacity-based all-to-all exchange (it drops tokens; the engine exchanges exactly: by all-gather, or by
-    the ragged all-to-all of a model sharded with moe_exchange="ragged")."""
+    the ragged all-to-all of a model whose execution says exchange="ragged")."""
     from qwen35 import sharding as S
 
-    execution = getattr(model, "execution", None)
-    own = None if execution is None else execution.mesh
+    execution = model.execution
+    own = execution.mesh
     if mesh is None:
         mesh = own
     if mesh is None:
@@ -157,7 +157,7 @@ def data_parallel(model, mesh=None):
     if own is not None and own != mesh:
         raise S.ShardingError(f"the model is sharded on mesh {dict(own.shape)} but the engine was given mesh "
                               f"{dict(mesh.shape)}; pass the model's own mesh (or none)")
-    rules = S.LOGICAL_RULES if execution is None else execution.rules
+    rules = S.LOGICAL_RULES if execution.rules is None else execution.rules
     axes = S.mesh_axes_for("batch", mesh, rules)
     other = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
     if other:
@@ -165,17 +165,13 @@ def data_parallel(model, mesh=None):
                               f"but mesh axes {other} of {dict(mesh.shape)} split something else (tensor "
                               f"parallelism); use make_mesh(expert=n) or make_mesh(data=d, expert=e)")
     expert_axes = S.mesh_axes_for("experts", mesh, rules)
-    scheme = "allgather"
+    if execution.exchange == "alltoall":
+        raise S.ShardingError("the engine exchanges tokens exactly (all-gather / reduce-scatter, or the dropless "
+                              "ragged all-to-all); a model whose execution says exchange='alltoall' drops tokens "
+                              "past capacity. Build it with Execution(exchange='allgather') (or 'ragged')")
     if own is None:  # (with no expert axis, e.g. make_mesh(data=8), every device holds the whole model)
         model = S.shard_model(model, mesh, rules=rules)
-    else:
-        scheme = execution.moe_exchange
-        if scheme == "alltoall":
-            raise S.ShardingError(f"the engine exchanges tokens exactly (all-gather / reduce-scatter, or the "
-                                  f"dropless ragged all-to-all); a model sharded with moe_exchange={scheme!r} drops "
-                                  f"tokens past capacity. Use shard_model(model, mesh, moe_exchange='allgather') "
-                                  f"(or 'ragged')")
-    return model, DataParallel(mesh, tuple(axes), tuple(expert_axes), scheme)
+    return model, DataParallel(mesh, tuple(axes), tuple(expert_axes))
 
 
 class Engine:
@@ -267,7 +263,7 @@ class Engine:
                                       attention_layers=self.layout.attention_layers)
         self.num_drafted = self.num_accepted = 0  # drafts verified, and kept
         self.accepted_hist = np.zeros(k + 1, np.int64)  # verify rows by the number of drafts they kept
-        self.backend = c.backend
+        self.kernels = model.execution.kernels
         self.requests: dict[object, Request] = {}
         self._ids = itertools.count()
         self._arrival = itertools.count()
@@ -360,7 +356,7 @@ class Engine:
               up);
           P   pages per row: on the XLA path, which reads every page of the table, the longest block table of
               the step (so a decode at context 100 reads 128 keys per row, not max_model_len's), rounded by
-              `_page_width`; with `backend="pallas"` max_model_len's (the ragged paged attention kernel reads
+              `_page_width`; with `kernels="pallas"` max_model_len's (the ragged paged attention kernel reads
               only each sequence's own pages, so one width means fewer programs to compile at no cost);
           Tb  tokens: Sb in a decode-only step, else Sb, 2 Sb, 4 Sb, ... (at most the budget), or Sb + Sp·Lb when
               that is fewer: without verify rows, a row that does not prefill has one token, so Sb + Sp·Lb holds
@@ -373,7 +369,7 @@ class Engine:
         bs = self.block_size
         q_lens = [n for _, n in sched]
         Sb = min(_pow2(len(sched), max(self.min_batch_rows, MIN_ROWS)), self.seq_bucket)
-        if self.backend == "pallas":  # the kernel reads only each sequence's own pages: a wide table costs nothing
+        if self.kernels == "pallas":  # the kernel reads only each sequence's own pages: a wide table costs nothing
             P = self.page_bucket
         else:  # the XLA path reads every page of the table (and the MTP drafts' pages past the step's tokens)
             ahead = self.ranks[0].scheduler.lookahead

@@ -12,7 +12,7 @@ the sum over layers of their arguments plus the largest scratch (temp) space any
 
 `export_step(engine, shape)` exports the engine's whole step (one program, its parameters, cache and a padding
 batch of that shape as abstract arrays) with `jax.export`; for `platforms=("tpu",)` every Pallas kernel of
-`backend="pallas"` is lowered with Mosaic (`qwen35.kernels.interpret.lower_for_tpu`), so a CPU machine checks
+`kernels="pallas"` is lowered with Mosaic (`qwen35.kernels.interpret.lower_for_tpu`), so a CPU machine checks
 that the serving step it tests in interpret mode also lowers for a TPU.
 
 Two layouts of the same `concurrency` sequences on the same devices:
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qwen35.execution import Execution
 from qwen35.serving.cache import init_paged_cache, pool_blocks, pool_layout
 from qwen35.serving.engine import _page_width, _pow2
 from qwen35.serving.runner import DataParallel, LayerwiseStep, _build_step, _leaf_spec, layer_indices, padding_batch
@@ -45,18 +46,17 @@ def _sds(tree, sharding):
 
 
 def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int = 256, layout: str = "dp",
-                param_dtype=jnp.bfloat16, fp8_experts: bool = True, moe_impl: str = "sorted") -> dict:
+                param_dtype=jnp.bfloat16, fp8_experts: bool = True, execution: Execution = Execution()) -> dict:
     """Per-device bytes of the engine's decode step for `config` on `mesh` at `concurrency` sequences of `context`
     tokens (the cache pool sized as the engine sizes it: per sequence ceil(context / block_size) pages plus its
     GDN state blocks, plus the scratch block), compiled from shapes alone.
 
     Returns {"layout", "devices", "seqs_per_cache", "num_blocks", "weights", "cache", "temp", "total"} in bytes
     per device (weights and cache: the compiled programs' argument bytes; temp: the largest scratch of any one
-    program) and the per-program figures under "programs"."""
+    program) and the per-program figures under "programs". The model runs as `execution` says, on `mesh`."""
     from flax import nnx
 
     from qwen35 import sharding as S
-    from qwen35.model import Qwen35ForCausalLM
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -73,7 +73,7 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
     pool = pool_layout(config, block_size, param_dtype)
     num_blocks = pool_blocks(pool, seqs, context)
 
-    model = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype, moe_impl=moe_impl, fp8_experts=fp8_experts)
+    model = S.placed_abstract(config, execution, mesh, rules, param_dtype=param_dtype, fp8_experts=fp8_experts)
     graphdef, state = nnx.split(model)
     specs = S.param_specs(nnx.state(model, nnx.Param), mesh, rules)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -83,8 +83,7 @@ def step_memory(config, mesh, *, concurrency: int, context: int, block_size: int
         dp = DataParallel(mesh, tuple(dp_axes), tuple(ex_axes))
         where = dp.sharding()
     else:
-        dp = None
-        model.execution = S.MeshExecution(mesh, rules)  # replicated attention: the MoE by moe_ep over the mesh
+        dp = None  # replicated attention: the placed model's MoE by moe_ep over the mesh
         where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     dtype = jnp.dtype(param_dtype)

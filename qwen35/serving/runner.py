@@ -8,7 +8,7 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
 
   attention mixer:  K/V scattered into the layer's pages of the pool at `slot_mapping` (every token at its own position), then ragged
                     paged attention over the block tables (the Pallas kernel of `qwen35.kernels` when
-                    `config.backend == "pallas"`, else `_paged_attention_rows`: the reference's result, computed
+                    `execution.kernels == "pallas"`, else `_paged_attention_rows`: the reference's result, computed
                     by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
                     continues a sequence, the context pages before it)
   GDN mixer:        the rows' states read from their state blocks in the pool (`cache.read_state`: only this
@@ -18,7 +18,7 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     `causal_conv1d` + `chunk_gated_delta_rule` from the row's state (padded steps have g = 0 and
                     beta = 0: decay 1 and no write, so the state is untouched), the conv state taken from the last
                     Kc real inputs; their results replace the single-token ones. A sequence's first step (`fresh`)
-                    starts from zero state, so recycled blocks need no clearing. With `backend == "pallas"` the
+                    starts from zero state, so recycled blocks need no clearing. With `kernels="pallas"` the
                     decode rows go through `paged_conv_gdn_decode`, one kernel for the whole step (conv window,
                     conv, gates, rule) that reads and writes each row's conv and recurrent states in the pool by
                     its state block ids (DMAs from scalar-prefetched ids, as tpu-inference's kernels address their
@@ -64,9 +64,8 @@ from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from
                                   read_rec, to_pool, write_state)
 from qwen35.serving.sampling import sample, verify_drafts
 from qwen35.sharding import moe_ep_local
-from qwen35.sharding.exchange import native_ragged
 
-__all__ = ["StepBatch", "padding_batch", "DataParallel", "attention_backend", "serving_forward", "step_fn", "FusedStep",
+__all__ = ["StepBatch", "padding_batch", "DataParallel", "paged_attention", "serving_forward", "step_fn", "FusedStep",
            "LayerwiseStep", "DraftStep"]
 
 
@@ -152,14 +151,14 @@ def batch_view(b: StepBatch, reads: str) -> StepBatch:
     return b._replace(**{f: None for f in StepBatch._fields if f not in keep})
 
 
-def attention_backend(backend: str):
-    """The step's ragged paged attention for `backend` (the model's `config.backend`, which the GDN and the MoE
-    read too), as `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
+def paged_attention(kernels: str):
+    """The step's ragged paged attention for `kernels` (the layer's `execution.kernels`), as
+    `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
     (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
     as [2A, num_blocks, page_size, Hkv, D], the layer's K pages at pages[ki] and V pages at pages[ki + 1]): the
     Pallas kernel for "pallas" (it reads everything through the block tables, in place), else
     `_paged_attention_rows` (the reference's result, laid out by rows)."""
-    if backend == "pallas":
+    if kernels == "pallas":
         return lambda q, k, v, pages, ki, b: ragged_paged_attention_pool(
             q, pages, ki, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, kv_dtype=pool_dtype(pages))
     return _paged_attention_rows
@@ -183,7 +182,7 @@ def _softmax_attend(spec: str, qg, k, v, mask, scale):
 
 
 def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
-    """Ragged paged attention for the XLA backend, by rows instead of by tokens: the same result as
+    """Ragged paged attention for the XLA kernels, by rows instead of by tokens: the same result as
     `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
     ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
 
@@ -250,7 +249,7 @@ def _attention(attn, x, b: StepBatch, pool, i):
     """The attention mixer of attention layer i (of the model's attention layers) on the packed tokens x [Tb, H]:
     the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
     its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of
-    `attention_backend` over the block tables, the layer's own output gate and projection."""
+    `paged_attention` over the block tables, the layer's own output gate and projection."""
     q, k, v, gate = (t[0] for t in attn.project(x[None], b.positions))
     C, NB, _ = pool.shape
     Hkv, Dh = k.shape[1:]
@@ -258,14 +257,14 @@ def _attention(attn, x, b: StepBatch, pool, i):
     flat = pool.reshape(C, NB * PS, Hkv, Dh)  # free views of the pool: token slots, then pages
     flat = flat.at[2 * i, b.slot_mapping].set(to_pool(k, pool)).at[2 * i + 1, b.slot_mapping].set(to_pool(v, pool))
     pages = flat.reshape(C, NB, PS, Hkv, Dh)
-    o = attention_backend(attn.config.backend)(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
+    o = paged_attention(attn.execution.kernels)(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
     return attn.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)
 
 
 def _paged(gdn, pool) -> bool:
     """Whether this GDN layer's decode rows run the paged kernel (states read and written in the pool by index):
-    the Pallas backend on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
-    if gdn.config.backend != "pallas":
+    the Pallas kernels on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
+    if gdn.execution.kernels != "pallas":
         return False
     return supports_paged_decode(layout_of(gdn.config, pool))
 
@@ -332,10 +331,10 @@ def _gdn(gdn, x, b: StepBatch, pool, j):
 
 def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
     """The single-token rule for the packed tokens `idx` [R] from states conv [R, C, Kc] and rec [R, Hv, Dk, Dv]:
-    (o [R, Hv, Dv] float32, new conv, new rec). With `backend == "pallas"`, conv update, gates and the recurrent
+    (o [R, Hv, Dv] float32, new conv, new rec). With `kernels="pallas"`, conv update, gates and the recurrent
     step in one kernel (the state read once and written once)."""
     w = gdn.conv1d.weight[...]
-    if gdn.config.backend == "pallas":
+    if gdn.execution.kernels == "pallas":
         return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
                                 num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
     y, conv = causal_conv1d_update(mixed[idx], w, conv)
@@ -354,7 +353,7 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
     Sp, Lb = b.gather_idx.shape
     w = gdn.conv1d.weight[...]
     Kc = w.shape[-1]
-    pallas = gdn.config.backend == "pallas"
+    pallas = gdn.execution.kernels == "pallas"
     if paged:
         idx = b.last_idx
         is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
@@ -382,7 +381,7 @@ def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, r
             o_pf, rec_pf, _ = chunked_gdn_conv_packed(
                 flat(xb), w, flat(gb), flat(betab), jnp.arange(Sp + 1, dtype=jnp.int32) * Lb,
                 num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, conv_state=c0, initial_state=s0,
-                use_qk_l2norm=True, chunk_size=max(gdn.chunk_for("pallas"), Kc))
+                use_qk_l2norm=True, chunk_size=max(gdn.chunk_for(), Kc))
             o_pf = o_pf.reshape(Sp, Lb, gdn.num_v_heads, gdn.head_v_dim)
         else:
             yb, _ = causal_conv1d(xb, w, c0)
@@ -539,8 +538,8 @@ def _sample(logits, b: StepBatch):
 
 
 def _hidden(model, cache: PagedHybridCache, b: StepBatch, routed_fn=None):
-    if routed_fn is None and model.execution is not None:
-        routed_fn = model.execution.routed_fn()
+    if routed_fn is None:
+        routed_fn = model.routed_fn()
     h = model.model.embed_tokens(b.tokens, model.dtype)  # [Tb, H]
     pool = cache.pool
     for layer, idx in zip(model.model.layers, layer_indices(model.model.layers)):
@@ -550,7 +549,7 @@ def _hidden(model, cache: PagedHybridCache, b: StepBatch, routed_fn=None):
 
 def serving_forward(model, cache: PagedHybridCache, b: StepBatch, routed_fn=None):
     """Logits [Sb, V] float32 of each row's last token and the updated cache (traced code). `routed_fn`: how the
-    MoE sums its routed experts (default: the model's execution's, e.g. `moe_ep` for a sharded model)."""
+    MoE sums its routed experts (default: the model's `routed_fn()`, the exchange of a placed model)."""
     h, cache = _hidden(model, cache, b, routed_fn)
     return _head(HeadParams(model), h, b), cache
 
@@ -583,13 +582,12 @@ class DataParallel(NamedTuple):
     `axes`, so a device holds only its own rank's slice. The step is a `jax.shard_map` over the mesh: inside it,
     attention and the GDN run on the rank's own rows, pages and slots with no communication, and each MoE layer
     all-gathers the tokens and their packed routing metadata over `expert_axes`, sums its local experts and
-    reduce-scatters the results back (`qwen35.sharding.moe_ep_local`), or, with `scheme` "ragged", sends exactly
-    the routed rows there and back by a ragged all-to-all."""
+    reduce-scatters the results back (`qwen35.sharding.moe_ep_local`), or, with the model's exchange "ragged",
+    sends exactly the routed rows there and back by a ragged all-to-all."""
 
     mesh: jax.sharding.Mesh
     axes: tuple
     expert_axes: tuple
-    scheme: str = "allgather"
 
     @property
     def size(self) -> int:
@@ -602,8 +600,7 @@ class DataParallel(NamedTuple):
         return jax.sharding.NamedSharding(self.mesh, self.spec())
 
     def routed_fn(self):
-        return functools.partial(moe_ep_local, expert_axes=self.expert_axes, scheme=self.scheme,
-                                 native=native_ragged(self.mesh))
+        return functools.partial(moe_ep_local, expert_axes=self.expert_axes)
 
 
 def _leaf_spec(a, dp: DataParallel) -> P:
@@ -634,18 +631,18 @@ def _on_ranks(fn, dp: DataParallel | None, specs, shared: int = 0):
 
 # Programs bound to a module's structure by `qwen35.model.bind_program` (why: see there), called with the flat
 # parameter arrays taken once, when the engine is built.
-def _program(kind: str, module, dp: DataParallel | None = None, execution=None):
+def _program(kind: str, module, dp: DataParallel | None = None, routed=None):
     """(jitted program for `kind` closed over `module`'s structure and, on a mesh, its parameters' placement; the
-    module's flat parameter arrays). `execution`: the model's (a layer does not hold it), for the MoE's exchange
-    when there is no `dp`."""
+    module's flat parameter arrays). `routed`: the MoE's routed sum when there is no `dp` (a placed model's
+    `routed_fn()`: a layer does not know it is part of one)."""
     specs = None if dp is None else tuple(_leaf_spec(a, dp) for a in jax.tree.leaves(nnx.state(module)))
-    program, state = bind_program((kind, dp, specs, execution), module,
-                                  lambda merge: _BUILDERS[kind](merge, dp, specs, execution))
+    program, state = bind_program((kind, dp, specs, routed), module,
+                                  lambda merge: _BUILDERS[kind](merge, dp, specs, routed))
     return program, jax.tree.leaves(state)
 
 
-def _build_step(merge, dp, specs, execution):
-    routed = None if dp is None else dp.routed_fn()  # else the merged model's own execution's
+def _build_step(merge, dp, specs, routed):
+    routed = None if dp is None else dp.routed_fn()  # else the merged model's own `routed_fn()`
 
     @functools.partial(jax.jit, static_argnames=("return_logits", "speculative"), donate_argnames=("cache",))
     def run(leaves, cache, batch, *, return_logits, speculative=False):
@@ -655,16 +652,15 @@ def _build_step(merge, dp, specs, execution):
     return run
 
 
-def _build_embed(merge, dp, specs, execution):
+def _build_embed(merge, dp, specs, routed):
     @functools.partial(jax.jit, static_argnames=("dtype",))
     def run(leaves, tokens, *, dtype):
         return _on_ranks(lambda leaves, tokens: merge(leaves)(tokens, dtype), dp, specs)(leaves, tokens)
     return run
 
 
-def _build_layer(merge, dp, specs, execution):
-    src = dp if dp is not None else execution  # the rank's in-step exchange, else the model's (moe_ep), else none
-    routed = None if src is None else src.routed_fn()
+def _build_layer(merge, dp, specs, routed):
+    routed = routed if dp is None else dp.routed_fn()  # the rank's in-step exchange, else the placed model's
 
     @functools.partial(jax.jit, donate_argnames=("pool",))
     def run(leaves, idx, h, pool, b):
@@ -674,7 +670,7 @@ def _build_layer(merge, dp, specs, execution):
     return run
 
 
-def _build_head(merge, dp, specs, execution):
+def _build_head(merge, dp, specs, routed):
     @functools.partial(jax.jit, static_argnames=("return_logits", "speculative"))
     def run(leaves, h, b, *, return_logits, speculative=False):
         def local(leaves, h, b):
@@ -687,9 +683,8 @@ def _build_head(merge, dp, specs, execution):
     return run
 
 
-def _build_draft(merge, dp, specs, execution):
-    src = dp if dp is not None else execution
-    routed = None if src is None else src.routed_fn()
+def _build_draft(merge, dp, specs, routed):
+    routed = routed if dp is None else dp.routed_fn()
 
     @functools.partial(jax.jit, static_argnames=("k",), donate_argnames=("cache",))
     def run(leaves, cache, b, x, out, counts, *, k):
@@ -728,8 +723,8 @@ class LayerwiseStep:
     def __init__(self, model, dp: DataParallel | None = None):
         self.dtype = model.dtype
         self.embed = _program("embed", model.model.embed_tokens, dp)
-        execution = model.execution if dp is None else None  # with dp, the MoE's exchange is the rank's own
-        self.layers = [_program("layer", layer, dp, execution) for layer in model.model.layers]
+        routed = model.routed_fn() if dp is None else None  # with dp, the MoE's exchange is the rank's own
+        self.layers = [_program("layer", layer, dp, routed) for layer in model.model.layers]
         self.indices = [np.int32(i) for i in layer_indices(model.model.layers)]  # traced: one program a kind
         self.reads = ["gdn" if layer.layer_type == LINEAR else "attention" for layer in model.model.layers]
         self.head = _program("head", HeadParams(model), dp)  # the final norm and lm_head only
@@ -751,8 +746,7 @@ class DraftStep:
     `dp`, it runs every data-parallel rank as the step does."""
 
     def __init__(self, model, dp: DataParallel | None = None):
-        execution = model.execution if dp is None else None
-        self.run, self.leaves = _program("draft", DraftParams(model), dp, execution)
+        self.run, self.leaves = _program("draft", DraftParams(model), dp, model.routed_fn() if dp is None else None)
 
     def __call__(self, cache: PagedHybridCache, batch: StepBatch, hidden, out, counts, *, k: int):
         return self.run(self.leaves, cache, batch, hidden, out, counts, k=k)

@@ -37,18 +37,17 @@ A mesh with no expert axis (`make_mesh(data=8)`) replicates the experts and exch
 
 One topic a module, every public name re-exported here: `mesh` (meshes, the rules table, `check_mesh`),
 `exchange` (packed routing, hierarchical collectives, `moe_ep` and `moe_ep_local`, expert placement by load),
-`placement` (parameter and cache specs, sharded loading, `shard_model` and its `MeshExecution`), `accounting`
+`placement` (parameter and cache specs, sharded loading, `shard_model` and the `PlacedLM` it builds), `accounting`
 (bytes on paper and in compiled programs, memory plans, a decode step lowered from shapes).
 """
 
 from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingError, check_mesh, logical_to_spec,
                                   make_mesh, mesh_axes_for, param_logical_axes, rules_with)
-from qwen35.sharding.exchange import (SCHEMES, TRANSPORTS, EPStats, balanced_expert_placement,
-                                      hierarchical_all_gather, hierarchical_psum_scatter, moe_ep, moe_ep_local,
-                                      pack_routing, ragged_all_to_all_padded, tp_deinterleave_gate_up,
+from qwen35.sharding.exchange import (EPStats, balanced_expert_placement, hierarchical_all_gather,
+                                      hierarchical_psum_scatter, moe_ep, moe_ep_local, moe_on_mesh, pack_routing, ragged_all_to_all_padded, tp_deinterleave_gate_up,
                                       tp_interleave_gate_up, unpack_routing)
-from qwen35.sharding.placement import (MeshExecution, cache_specs, checkpoint_shardings, load_sharded, param_specs,
-                                       shard_model)
+from qwen35.sharding.placement import (PlacedLM, cache_specs, checkpoint_shardings, load_sharded, param_specs,
+                                       placed_abstract, shard_model)
 from qwen35.sharding.accounting import (decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes,
                                         ragged_bytes)
 
@@ -69,6 +68,7 @@ __all__ = [
     "EPStats",
     "moe_ep",
     "moe_ep_local",
+    "moe_on_mesh",
     "rules_with",
     "tp_interleave_gate_up",
     "tp_deinterleave_gate_up",
@@ -78,12 +78,11 @@ __all__ = [
     "moe_comm_bytes",
     "ragged_bytes",
     "ragged_all_to_all_padded",
-    "TRANSPORTS",
     "hlo_collective_bytes",
-    "SCHEMES",
     "cache_specs",
     "shard_model",
-    "MeshExecution",
+    "PlacedLM",
+    "placed_abstract",
     "memory_plan",
     "decode_step_lowering",
 ]

@@ -16,14 +16,14 @@ import numpy as np
 
 from qwen35.config import Qwen35Config
 from qwen35.moe import capacity as moe_capacity
-from qwen35.sharding.exchange import SCHEMES
+from qwen35.execution import EXCHANGES, Execution
 from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, check_mesh, mesh_axes_for
-from qwen35.sharding.placement import MeshExecution, _batch_spec, _check_batch, cache_specs, param_specs
+from qwen35.sharding.placement import _batch_spec, placed_abstract, _check_batch, cache_specs, param_specs
 
 
 # ------------------------------------------------------------------------------------------------------------
 # Communication accounting
-def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int, scheme: str,
+def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int, exchange: str,
                    dtype_bytes: int = 2, capacity_factor: float = 1.25, tp_size: int = 1) -> dict[str, int]:
     """Bytes each device sends per MoE layer (ring collectives: an all-gather or reduce-scatter over n devices
     moves (n-1)/n of the full buffer out of each device; an all-to-all sends all but the own 1/n; an all-reduce
@@ -42,24 +42,24 @@ def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int,
     Returns a dict of the parts and "total"."""
     c, t, n, b, m = config, int(tokens_per_device), int(n_devices), int(dtype_bytes), int(tp_size)
     H, E, k = c.hidden_size, c.num_experts, c.num_experts_per_tok
-    if scheme == "allgather":
+    if exchange == "allgather":
         parts = {
             "all_gather_tokens": (n - 1) * t * H * b,
             "all_gather_routing": (n - 1) * t * 2 * k * 4,
             "reduce_scatter": (n - 1) * t * H * b,
         }
-    elif scheme == "alltoall":  # the only formula that needs whole experts per device (E/n capacity buffers)
+    elif exchange == "alltoall":  # the only formula that needs whole experts per device (E/n capacity buffers)
         if E % n:
             raise ShardingError(f"{E} experts cannot be split over {n} devices")
         C = moe_capacity(t, E, k, capacity_factor)
         one = (n - 1) * (E // n) * C * H * b
         parts = {"all_to_all_dispatch": one, "all_to_all_combine": one}
-    elif scheme == "ragged":
+    elif exchange == "ragged":
         one = (n - 1) * t * k * H * b // n
         parts = {"ragged_dispatch": one, "ragged_combine": one, "all_gather_counts": (n - 1) * E * 4,
                  "all_to_all_offsets": 2 * (n - 1) * E * 4 // n}
     else:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if m > 1:
         parts["all_reduce_tp"] = 2 * (m - 1) * t * H * b // m
     parts["total"] = sum(parts.values())
@@ -67,7 +67,7 @@ def moe_comm_bytes(config: Qwen35Config, tokens_per_device: int, n_devices: int,
 
 
 def ragged_bytes(experts, n_devices: int, num_experts: int, hidden: int, dtype_bytes: int = 2) -> np.ndarray:
-    """Token bytes each device sends in `moe_ep(scheme="ragged")` for this routing (dispatch + combine, counts and
+    """Token bytes each device sends in `moe_ep` with exchange "ragged" for this routing (dispatch + combine, counts and
     offsets aside): experts [N, k] over N = n·t tokens, device i holding tokens [i·t, (i+1)·t) and experts
     [i·E/n, (i+1)·E/n). A slot to another device's expert is one row out and its output one row back (the combine
     is sent by the expert's device: the same count summed over devices). Returns [n] bytes, by device."""
@@ -195,21 +195,19 @@ def memory_plan(config: Qwen35Config, mesh_shape: Mapping[str, int] | None = Non
     return out
 
 
-def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *, moe_exchange: str = "allgather",
-                         param_dtype=jnp.bfloat16, platforms: Sequence[str] | None = ("tpu",), rules=LOGICAL_RULES):
-    """Lower (not run) one decode step (T = 1, cache of `max_len`) of `config`'s model sharded as `shard_model`
-    would, from shapes alone: the model from `nnx.eval_shape`, parameters and cache as `jax.ShapeDtypeStruct`s
+def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *,
+                         execution: Execution = Execution(), param_dtype=jnp.bfloat16,
+                         platforms: Sequence[str] | None = ("tpu",), rules=LOGICAL_RULES):
+    """Lower (not run) one decode step (T = 1, cache of `max_len`) of `config`'s model placed as `shard_model`
+    would place it with `execution` (plus the mesh), from shapes alone: the model from `nnx.eval_shape`, parameters and cache as `jax.ShapeDtypeStruct`s
     with their shardings on `mesh` (a `Mesh` or an `AbstractMesh`). Nothing is allocated, so the 397B model works
     on a laptop. `platforms` ("tpu",) exports with `jax.export` (the TPU lowering rules apply); None lowers with
     `jax.jit(...).lower` for the local backend. Returns the `jax.export.Exported` or `jax.stages.Lowered`."""
     from flax import nnx
 
-    from qwen35.model import Qwen35ForCausalLM
-
     check_mesh(config, mesh, rules)
     _check_batch(batch, mesh, rules)
-    abstract = Qwen35ForCausalLM.abstract(config, param_dtype=param_dtype)
-    abstract.execution = MeshExecution(mesh, rules, moe_exchange)  # a fresh model's
+    abstract = placed_abstract(config, execution, mesh, rules, param_dtype=param_dtype)
     graphdef, params = nnx.split(abstract)
     specs = param_specs(nnx.state(abstract, nnx.Param), mesh, rules)
 

@@ -16,14 +16,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 from qwen35.kernels.fp8 import ACT_BLOCK
 from qwen35.kernels import grouped_matmul as gmm_kernels  # called through the module: tests spy on its functions
 from qwen35.kernels.permute import rank_in_expert, sort_by_expert
+from qwen35.execution import Execution
 from qwen35.moe import capacity as moe_capacity
 from qwen35.moe import experts_dense, experts_sorted, grouped_swiglu
 from qwen35.sharding.mesh import LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, mesh_axes_for
 
 
-SCHEMES = ("allgather", "alltoall", "ragged")
-LOCAL_IMPLS = ("sorted", "dense", "pallas")
-TRANSPORTS = ("auto", "native", "padded")
 # Backends whose XLA implements the ragged-all-to-all HLO (XLA:CPU does not: "not supported by XLA:CPU").
 NATIVE_RAGGED_PLATFORMS = ("tpu", "gpu", "cuda", "rocm")
 
@@ -133,7 +131,7 @@ class EPStats(NamedTuple):
     capacity: int | None
 
 
-def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, scales=None, act_fp8=False):
+def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, scales=None, w8a8=False):
     El, k = gate_up.shape[0], experts.shape[1]
     if k > El:  # fewer local experts than slots (e.g. 8 experts on 8 devices, top-2): one column per local expert
         # (top-k ids are distinct, so each column holds at most one slot's weight: the sum is exact)
@@ -141,16 +139,16 @@ def _local_experts(x, weights, experts, gate_up, down, impl, act_block=None, sca
         experts = jnp.broadcast_to(jnp.arange(El, dtype=jnp.int32), weights.shape)
     if impl == "dense":
         return experts_dense(x, weights, experts, gate_up, down, act_block=act_block)
-    if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`backend="pallas"`); with `scales`, FP8 weights
-        # read as FP8 tiles with their 128x128 block scales, and with `act_fp8` FP8 x FP8 products (W8A8)
+    if impl == "pallas":  # the grouped matmul + SwiGLU kernels (`kernels="pallas"`); with `scales`, FP8 weights
+        # read as FP8 tiles with their 128x128 block scales, and with `w8a8` FP8 x FP8 products (W8A8)
         gs, ds = scales if scales is not None else (None, None)
         return gmm_kernels.experts_sorted_pallas(x, weights, experts, gate_up, down, gate_up_scale=gs,
-                                                 down_scale=ds, act_fp8=act_fp8)
+                                                 down_scale=ds, w8a8=w8a8)
     return experts_sorted(x, weights, experts, gate_up, down, act_block=act_block)
 
 
 def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarchical, chunks, act_block=None,
-                    scales=None, act_fp8=False):
+                    scales=None, w8a8=False):
     """Per device: x [t, H], packed [t, 2k]; gate_up/down hold this device's E/n experts (and, with tensor-
     parallel experts, its I/m slice of each: gate_up [E/n, 2I/m, H] as [gate_j; up_j], down [E/n, H, I/m]).
 
@@ -177,7 +175,7 @@ def _allgather_body(x, packed, gate_up, down, *, ex_axes, tp_axes, impl, hierarc
         # local expert anyway: id 0.
         off = El if impl in ("sorted", "pallas") else 0
         y = _local_experts(x_c, jnp.where(local, w, 0.0).astype(x.dtype), jnp.where(local, e - lo, off), gate_up,
-                           down, impl, act_block, scales, act_fp8)
+                           down, impl, act_block, scales, w8a8)
         if ex_axes:
             y = scatter(y)
         if tp_axes:  # each device of a TP group summed over its I/m channels: add the partial sums
@@ -242,8 +240,8 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
     return output.at[dest.reshape(-1)].set(got.reshape(N * max_slice, *got.shape[2:]), mode="drop")
 
 
-def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, native, grouped_impl, act_block=None,
-                 act_fp8=False):
+def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, native, kernels, act_block=None,
+                 w8a8=False):
     """Per device: x [t, H], weights/experts [t, k]; gate_up/down hold this device's E/n experts (and, with
     tensor-parallel experts, its I/m slice of each).
 
@@ -255,9 +253,9 @@ def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, 
     3. Ragged all-to-all back (the offsets swapped), then each slot's output times its routing weight is added to
        its token. No capacity, nothing dropped: equal to the single-device MoE.
     The receive buffer is static: n·t·min(k, E/n) rows, the most a device can get (each token sends at most
-    min(k, E/n) slots to one device). `grouped_impl` "pallas": the grouped matmul + SwiGLU kernels, which read FP8
-    experts as stored when their block `scales` (gate_up's, down's) are given, and with `act_fp8` multiply FP8
-    activations by them; else `qwen35.moe.grouped_swiglu`'s implementation ("auto", "tiles", "ragged_dot")."""
+    min(k, E/n) slots to one device). `kernels`: the grouped matmul + SwiGLU kernels, which read FP8 experts as
+    stored when their block `scales` (gate_up's, down's) are given, and with `w8a8` multiply FP8 activations by
+    them; else `qwen35.moe.grouped_swiglu`. `native`: `lax.ragged_all_to_all`, else its padded stand-in."""
     t, H = x.shape
     k = experts.shape[1]
     El = gate_up.shape[0]
@@ -281,12 +279,12 @@ def _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes, tp_axes, 
     else:  # one slice holds at most t rows: a token routes at most one slot to each expert
         move = functools.partial(ragged_all_to_all_padded, axis_name=ex_axes, max_slice=t)
     x_recv = move(x_sorted, jnp.zeros((R, H), x.dtype), in_off, counts, out_off, recv)
-    if grouped_impl == "pallas":
+    if kernels:
         gs, ds = scales if scales else (None, None)
         y_recv = gmm_kernels.grouped_swiglu(x_recv, group_sizes, gate_up, down, gate_up_scale=gs, down_scale=ds,
-                                            act_fp8=act_fp8)  # [R, H]
+                                            w8a8=w8a8)  # [R, H]
     else:
-        y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, impl=grouped_impl, act_block=act_block)
+        y_recv = grouped_swiglu(x_recv, group_sizes, gate_up, down, act_block=act_block)
     # Back: this device's slices go to their sources; offsets here are where they landed (the all-to-all of the
     # sources' out_off), offsets there are where the sources took them from (the all-to-all of their in_off).
     here = jax.lax.all_to_all(out_off, ex_axes, 0, 0, tiled=True)
@@ -305,7 +303,7 @@ def _axes_size_traced(axes) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarchical, chunks, interleave,
-           native=False, act_block=None, fp8_tiles=False, act_fp8=False):
+           native, act_block, fp8_tiles, w8a8):
     tok = P(tok_axes or None, None)
     tp = tp_axes or None
     gu_spec, dn_spec = P(ex_axes or None, tp, None), P(ex_axes or None, None, tp)
@@ -320,7 +318,7 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
         def body(x, packed, gate_up, down, *scales):
             return _allgather_body(x, packed, gate_up, down, ex_axes=ex_axes, tp_axes=tp_axes, impl=impl,
                                    hierarchical=hierarchical, chunks=chunks, act_block=act_block,
-                                   scales=scales or None, act_fp8=act_fp8)
+                                   scales=scales or None, w8a8=w8a8)
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, gu_spec, dn_spec) + (gu_spec, dn_spec) * fp8_tiles,
                           out_specs=(tok, P()), check_vma=False)
 
@@ -328,8 +326,7 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
             return f(x, pack_routing(experts, weights.astype(jnp.float32)), prep(gate_up), down, *scales)
     elif scheme == "ragged":
         body = functools.partial(_ragged_body, ex_axes=ex_axes, tp_axes=tp_axes, native=native,
-                                 grouped_impl="pallas" if impl == "pallas" else "auto", act_block=act_block,
-                                 act_fp8=act_fp8)
+                                 kernels=impl == "pallas", act_block=act_block, w8a8=w8a8)
         f = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, gu_spec, dn_spec) + (gu_spec, dn_spec) * fp8_tiles,
                           out_specs=(tok, P()), check_vma=False)
 
@@ -346,75 +343,71 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
     return jax.jit(run)
 
 
-def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "allgather",
-           capacity_factor: float | None = None, rules=LOGICAL_RULES, local_impl: str = "sorted",
-           hierarchical: bool | None = None, chunks: int = 1, gate_up_layout: str = "checkpoint",
-           transport: str = "auto", act_block: int | None = None, gate_up_scale=None, down_scale=None,
-           act_fp8: bool = False, return_stats: bool = False):
+def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, hierarchical: bool | None = None,
+           gate_up_scale=None, down_scale=None, return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
-    over `mesh`.
+    over `execution.mesh` (its rules `execution.rules`, default `LOGICAL_RULES`).
 
     Experts split over the mesh axes of the "experts" rule (`expert`, or `chip`×`core`): EP, E/n whole experts
     per device. Each expert's width I split over the axes of the "expert_mlp" rule (empty by default; map it to
     "model" for TP-MoE, e.g. `rules_with(expert_mlp=("model",))`): gate/up column-split, down row-split, partial
     outputs summed by an all-reduce over the TP group. Both at once is the EP × TP hybrid. Tokens split over the
-    "batch" axes (which must include the expert axes; devices of one TP group hold the same tokens). `scheme`:
+    "batch" axes (which must include the expert axes; devices of one TP group hold the same tokens).
+    `execution.exchange`:
       "allgather"  all-gather tokens + packed routing over the expert axes, local experts, reduce-scatter back.
-                   Exact (no capacity). `local_impl` "sorted" (grouped path: the gathered slots of this
-                   device's experts only; the others sort past its groups and no matmul runs on them), "pallas"
-                   (the same on the grouped matmul + SwiGLU kernels) or "dense" (every local expert on every
-                   gathered token). With two expert axes the
-                   all-gather and the reduce-scatter are hierarchical (`hierarchical=None` = auto).
-      "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (default 1.25, capped at t),
-                   all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing is dropped
-                   (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past C per
-                   expert, in token order, like `experts_capacity` on its shard.
+                   Exact (no capacity). The local experts: `execution.experts` "dense" (every local expert on every
+                   gathered token), else the grouped path (the gathered slots of this device's experts only; the
+                   others sort past its groups and no matmul runs on them), on the grouped matmul + SwiGLU kernels
+                   with `kernels="pallas"`. With two expert axes the all-gather and the reduce-scatter are
+                   hierarchical (`hierarchical=None` = auto).
+      "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (`execution.capacity`, default
+                   1.25, capped at t), all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing
+                   is dropped (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past
+                   C per expert, in token order, like `experts_capacity` on its shard.
       "ragged"     dropless all-to-all: slots sorted by expert, their counts all-gathered, exactly the routed rows
-                   sent in a ragged all-to-all (one slice per expert), grouped SwiGLU on the receiver
-                   (`local_impl` "sorted": XLA's, "pallas": the kernels), a ragged all-to-all back. Equal to the
-                   single-device MoE at any load. `transport` "native" is
-                   `lax.ragged_all_to_all` (TPU, GPU); "padded" (`ragged_all_to_all_padded`) the same result
-                   through a dense all-to-all of slices padded to t rows, for XLA:CPU, which has no ragged
-                   all-to-all; "auto" picks by the mesh's platform. Per slot, not per token: a token whose k
-                   slots go to one device is sent k times, so it moves k/n of "allgather"'s bytes (more when
-                   k > n, as for the released model's k = 10 on 8 devices; see `moe_comm_bytes`).
+                   sent in a ragged all-to-all (one slice per expert), grouped SwiGLU on the receiver, a ragged
+                   all-to-all back. Equal to the single-device MoE at any load. The transport is
+                   `lax.ragged_all_to_all` on TPU and GPU, and on XLA:CPU, which has no ragged all-to-all,
+                   `ragged_all_to_all_padded`: the same result through a dense all-to-all of slices padded to t
+                   rows. Per slot, not per token: a token whose k slots go to one device is sent k times, so it
+                   moves k/n of "allgather"'s bytes (more when k > n, as for the released model's k = 10 on 8
+                   devices; see `moe_comm_bytes`).
     With no expert axis and no expert_mlp axis (e.g. `make_mesh(data=8)`: pure data parallelism, the experts
     replicated) there is nothing to exchange: each device runs its own tokens through all the experts
     ("allgather" only).
-    `chunks` K: exchange and compute in K independent pieces (tokens for "allgather", local experts for
-    "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
-    `gate_up_layout` "checkpoint" (gate rows then up rows) or "tp_interleaved" (already regrouped by
-    `tp_interleave_gate_up`, as `shard_model` stores it for TP-MoE).
-    `act_block` (W8A8, `qwen35.moe.experts_dense`): the local experts round their activations through FP8 per row and
-    `act_block` columns ("allgather" and "ragged"; with TP-MoE each device's I/m must hold whole blocks).
-    `gate_up_scale`, `down_scale`: gate_up and down are FP8 with these 128x128 block scales (`Experts.fp8_tiles`),
-    read as stored by `local_impl="pallas"` in "allgather" and "ragged" without tensor-parallel experts (one byte a
-    weight from HBM); with `act_fp8` the kernels multiply FP8 activations by them (W8A8). The other paths take
-    dequantised weights (`Experts.dequantized`).
+    `execution.moe_chunks` K: exchange and compute in K independent pieces (tokens for "allgather", local experts
+    for "alltoall") so asynchronous collectives can overlap the expert matmuls; same result.
+    `execution.w8a8`: the local experts round their activations through FP8 per row and 512 columns ("allgather"
+    and "ragged"; with TP-MoE each device's I/m must hold whole blocks); with `gate_up_scale` and `down_scale`
+    (gate_up and down FP8 with these 128x128 block scales, `Experts.fp8_tiles`, read as stored by the kernels in
+    "allgather" and "ragged" without tensor-parallel experts: one byte a weight from HBM) the kernels multiply FP8
+    activations by them. The other paths take dequantised weights (`Experts.dequantized`).
     With `return_stats`, returns (y, EPStats)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
-    if local_impl not in LOCAL_IMPLS:
-        raise ValueError(f"local_impl must be one of {LOCAL_IMPLS}, got {local_impl!r}")
-    if local_impl == "pallas" and act_block is not None:
-        raise ValueError("local_impl 'pallas' runs the kernels on dequantised weights; W8A8 (act_block) needs "
-                         "local_impl 'sorted' or 'dense'")
+    if not isinstance(execution, Execution) or execution.mesh is None:
+        raise ValueError("moe_ep runs on a mesh: pass an Execution with one, e.g. Execution(mesh=make_mesh(expert=8))")
+    ex = execution
     fp8_tiles = gate_up_scale is not None or down_scale is not None
-    if fp8_tiles and (gate_up_scale is None or down_scale is None or local_impl != "pallas"
-                      or scheme not in ("allgather", "ragged") or act_block is not None):
+    if fp8_tiles and (gate_up_scale is None or down_scale is None or ex.kernels != "pallas"
+                      or ex.exchange not in ("allgather", "ragged") or ex.experts == "dense"):
         raise ValueError("FP8 experts with their block scales (gate_up_scale and down_scale, both) are read as "
-                         "stored by local_impl='pallas' in schemes 'allgather' and 'ragged' (W8A8 by act_fp8=True, "
-                         "not act_block); for the other paths pass the dequantised weights (Experts.dequantized)")
-    if act_fp8 and not fp8_tiles:
-        raise ValueError("act_fp8 multiplies FP8 activations by FP8 weights in the kernels: pass gate_up_scale and "
-                         "down_scale with the FP8 experts (or act_block for the XLA paths' W8A8)")
-    if gate_up_layout not in ("checkpoint", "tp_interleaved"):
-        raise ValueError(f"gate_up_layout must be 'checkpoint' or 'tp_interleaved', got {gate_up_layout!r}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if not isinstance(chunks, (int, np.integer)) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
+                         "stored by the kernels (Execution(kernels='pallas')) in the exchanges 'allgather' and "
+                         "'ragged'; for the other paths pass the dequantised weights (Experts.dequantized)")
+    act_block = ACT_BLOCK if ex.w8a8 and not fp8_tiles else None
+    local = "dense" if ex.experts == "dense" else "pallas" if ex.pallas and act_block is None else "sorted"
+    return _exchange(x, weights, experts, gate_up, down, ex, local, hierarchical=hierarchical, interleaved=False,
+                     act_block=act_block, scales=(gate_up_scale, down_scale) if fp8_tiles else None,
+                     w8a8=ex.w8a8 and fp8_tiles, return_stats=return_stats)
+
+
+def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, hierarchical, interleaved,
+              act_block, scales, w8a8, return_stats=False, native=None):
+    """`moe_ep` after its choices: `local` "sorted" | "dense" | "pallas" (the local experts' path), `interleaved`
+    (gate_up's rows already regrouped for TP-MoE by `tp_interleave_gate_up`, as `shard_model` stores them),
+    `native` (None: `lax.ragged_all_to_all` where the mesh's platform has it)."""
+    mesh, scheme, chunks = ex.mesh, ex.exchange, ex.moe_chunks
+    rules = LOGICAL_RULES if ex.rules is None else ex.rules
+    fp8_tiles = scales is not None
     x, weights, experts, gate_up, down = (jnp.asarray(a) for a in (x, weights, experts, gate_up, down))
     if x.ndim != 2 or weights.shape != experts.shape or weights.ndim != 2 or weights.shape[0] != x.shape[0]:
         raise ValueError(f"expected x [N, H], weights and experts [N, k]; got {x.shape}, {weights.shape}, "
@@ -428,7 +421,7 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if not ex_axes and not tp_axes and scheme != "allgather":
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to "
                             f"({mesh_axes_for('experts', None, rules)}): the experts are replicated and there are "
-                            f"no tokens to exchange, so scheme {scheme!r} does not apply; use scheme 'allgather' "
+                            f"no tokens to exchange, so exchange {scheme!r} does not apply; use exchange 'allgather' "
                             f"(each device runs its own tokens) or a mesh with an expert axis, e.g. "
                             f"make_mesh(expert=8)")
     overlap = set(ex_axes) & set(tp_axes) | set(tok_axes) & set(tp_axes)
@@ -447,7 +440,7 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
         raise ShardingError(f"expert width I = {I} cannot be split over {_axes_desc(mesh, tp_axes)} (expert_mlp); "
                             f"use a tensor-parallel size that divides {I}")
     if act_block is not None and scheme == "alltoall":
-        raise ValueError("act_block (W8A8) runs with the exact schemes 'allgather' and 'ragged', not 'alltoall'")
+        raise ValueError("W8A8 runs with the exact exchanges 'allgather' and 'ragged', not 'alltoall'")
     if act_block is not None and (I // m) % act_block:
         raise ShardingError(f"W8A8 quantises the expert activations in {act_block}-wide blocks, but each device holds "
                             f"I/m = {I // m} columns of the expert width; use a tensor-parallel size m with I/m a "
@@ -462,92 +455,94 @@ def moe_ep(x, weights, experts, gate_up, down, *, mesh: Mesh, scheme: str = "all
     if hierarchical and len(ex_axes) != 2:
         raise ShardingError(f"hierarchical collectives need exactly two expert axes (outer, inner), got {ex_axes}")
     if scheme != "allgather" and not ex_axes:
-        raise ShardingError(f"scheme {scheme!r} exchanges tokens between expert-parallel devices; with tensor-"
-                            f"parallel experts only (no expert axis) use scheme 'allgather'")
-    native = False
+        raise ShardingError(f"exchange {scheme!r} moves tokens between expert-parallel devices; with tensor-"
+                            f"parallel experts only (no expert axis) use exchange 'allgather'")
     if scheme == "alltoall":
-        C = moe_capacity(t, E, k, 1.25 if capacity_factor is None else capacity_factor)
+        C = moe_capacity(t, E, k, ex.capacity)
         if (E // n) % chunks:
-            raise ShardingError(f"chunks={chunks} must divide the {E // n} local experts per device for 'alltoall'")
+            raise ShardingError(f"moe_chunks={chunks} must divide the {E // n} local experts per device for 'alltoall'")
     elif scheme == "ragged":
-        if capacity_factor is not None:
-            raise ValueError("capacity_factor applies to scheme='alltoall' only; 'ragged' drops nothing")
         if chunks != 1:
-            raise ValueError("chunks applies to schemes 'allgather' and 'alltoall'; 'ragged' runs in one piece")
-        if local_impl not in ("sorted", "pallas"):
-            raise ValueError("scheme 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
-                             "local_impl must be 'sorted' (XLA) or 'pallas' (the kernels)")
+            raise ValueError("Execution(moe_chunks) applies to the exchanges 'allgather' and 'alltoall'; 'ragged' "
+                             "runs in one piece")
+        if local == "dense":
+            raise ValueError("exchange 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
+                             "use experts='sorted'")
         C = None
-        native = transport == "native" or (transport == "auto" and native_ragged(mesh))
-        if native and not native_ragged(mesh):
-            raise ShardingError(f"XLA on {mesh.devices.flat[0].platform!r} has no ragged all-to-all (lax.ragged_all_to_all runs on TPU "
-                                f"and GPU); use transport='padded' (or 'auto') there")
+        native = native_ragged(mesh) if native is None else native
     else:
-        if capacity_factor is not None:
-            raise ValueError("capacity_factor applies to scheme='alltoall' only; 'allgather' drops nothing")
         C = None
         if t % chunks:
-            raise ShardingError(f"chunks={chunks} must divide the {t} tokens per device for 'allgather'")
+            raise ShardingError(f"moe_chunks={chunks} must divide the {t} tokens per device for 'allgather'")
     if fp8_tiles and tp_axes:
         raise ShardingError("FP8 experts read as stored need whole experts per device: with tensor-parallel experts "
                             "(an 'expert_mlp' axis) pass the dequantised weights")
-    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local_impl, bool(hierarchical), int(chunks),
-               gate_up_layout == "checkpoint", native, act_block, fp8_tiles, bool(act_fp8))
-    scales = (jnp.asarray(gate_up_scale), jnp.asarray(down_scale)) if fp8_tiles else ()
+    f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local, bool(hierarchical), int(chunks),
+               not interleaved, bool(native), act_block, fp8_tiles, bool(w8a8))
+    scales = tuple(jnp.asarray(a) for a in scales) if fp8_tiles else ()
     y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down, *scales)
     if not return_stats:
         return y
     return y, EPStats(dropped, dropped / (N * k), C)
 
 
-def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None,
-                 scheme: str = "allgather", native: bool = False):
-    """The exact exchanges as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
+def moe_on_mesh(block, x, weights, experts):
+    """The MoE exchange of a placed model (`qwen35.sharding.PlacedLM` hands it to every `SparseMoeBlock` as its
+    `routed_fn`): `moe_ep` as `block.execution` says, on the block's own experts (FP8 experts read as stored by
+    the kernels where each device holds whole experts: a 128x128 scale block does not split over I/m; TP-MoE
+    experts in the regrouped gate_up layout `shard_model` stores)."""
+    ex = block.execution
+    whole = not mesh_axes_for("expert_mlp", ex.mesh, LOGICAL_RULES if ex.rules is None else ex.rules)
+    gate_up, down, scales, act, local, w8a8 = expert_operands(block, x.dtype, whole)
+    return _exchange(x, weights, experts, gate_up, down, ex, local, hierarchical=None, interleaved=not whole,
+                     act_block=act, scales=scales or None, w8a8=w8a8)
+
+
+def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None):
+    """`moe_on_mesh` as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
     data-parallel step (`qwen35.serving.runner`, every device running its own rank's sequences) hands
-    `SparseMoeBlock.__call__` as `routed_fn`. Same math as `moe_ep(scheme="allgather")` (or, with
-    `scheme="ragged"`, `moe_ep(scheme="ragged")`, `native` choosing `lax.ragged_all_to_all` over the padded
-    transport), whose `shard_map` cannot nest inside the step's own.
+    `SparseMoeBlock.__call__` as `routed_fn`. The same bodies as `moe_ep`'s exact exchanges
+    (`block.execution.exchange` "allgather" or "ragged"), whose `shard_map` cannot nest inside the step's own.
 
     x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
     tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
-    default), each device sums its own experts' share (the layer's local path: dense, sorted, or with
-    `backend="pallas"` the grouped matmul kernels, which read FP8 experts as stored, FP8 tiles and block scales,
-    and with `act_fp8` multiply FP8 by FP8), and a
-    reduce-scatter returns each device its own tokens' sums. With no expert axis the experts are whole on every
-    device and this is the block's own `routed`."""
+    default), each device sums its own experts' share (`expert_operands`: the execution's local path), and a
+    reduce-scatter returns each device its own tokens' sums; or the ragged all-to-all's two trips. With no expert
+    axis the experts are whole on every device and this is the block's own `routed`."""
     if not expert_axes:
         return block.routed(x, weights, experts)
+    ex = block.execution
     if hierarchical is None:
         hierarchical = len(expert_axes) == 2
-    if scheme not in ("allgather", "ragged"):
-        raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {scheme!r}")
-    pallas = block.impl == "sorted" and block.config.backend == "pallas"
-    gate_up, down, scales, act, kernels, act_fp8 = expert_operands(block, x.dtype, pallas)
-    if scheme == "ragged":
+    if ex.exchange not in ("allgather", "ragged"):
+        raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {ex.exchange!r}")
+    gate_up, down, scales, act, local, w8a8 = expert_operands(block, x.dtype)
+    if ex.exchange == "ragged":
         y, _ = _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes=tuple(expert_axes), tp_axes=(),
-                            native=native, grouped_impl="pallas" if kernels else "auto", act_block=act,
-                            act_fp8=act_fp8)
+                            native=native_ragged(ex.mesh), kernels=local == "pallas", act_block=act, w8a8=w8a8)
         return y
-    impl = "dense" if block.impl == "dense" else "pallas" if kernels else "sorted"
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
-                           ex_axes=tuple(expert_axes), tp_axes=(), impl=impl, hierarchical=bool(hierarchical),
-                           chunks=1, act_block=act, scales=scales or None, act_fp8=act_fp8)
+                           ex_axes=tuple(expert_axes), tp_axes=(), impl=local, hierarchical=bool(hierarchical),
+                           chunks=1, act_block=act, scales=scales or None, w8a8=w8a8)
     return y
 
 
-def expert_operands(block, dtype, pallas: bool, fp8_as_stored: bool = True):
-    """How a MoE block's local experts enter an exchange: (gate_up, down, scales, act_block, kernels, act_fp8).
-    On the kernels (`pallas`) FP8 experts are read as stored, with their block scales (gate_up's, down's) and, with
-    the config's `act_fp8`, FP8 x FP8 products; otherwise (or without `fp8_as_stored`: tensor-parallel experts,
-    whose I/m slices split the 128x128 scale blocks) they are dequantised to `dtype`, and W8A8 is the XLA paths'
-    activation rounding (`act_block`), which the kernels do not take (`kernels` False then)."""
-    tiles = block.experts.fp8_tiles() if pallas and fp8_as_stored else None
+def expert_operands(block, dtype, whole: bool | None = None):
+    """How a MoE block's local experts enter an exchange, as its `execution` says: (gate_up, down, scales,
+    act_block, local path "sorted" | "dense" | "pallas", w8a8 in the kernels). On the kernels FP8 experts are read
+    as stored, with their block scales (gate_up's, down's) and, with `w8a8`, FP8 x FP8 products; otherwise (or
+    `whole=False`: tensor-parallel experts, whose I/m slices split the 128x128 scale blocks) they are dequantised to
+    `dtype`, and W8A8 is the XLA paths' activation rounding (`act_block`), which the kernels do not take."""
+    ex = block.execution
+    kernels = ex.pallas and ex.experts != "dense" and ex.exchange != "alltoall"
+    tiles = block.experts.fp8_tiles() if kernels and whole is not False else None
     if tiles is not None:  # 1 byte a weight from HBM
         gate_up, down, *scales = tiles
-        return gate_up, down, tuple(scales), None, True, bool(block.config.act_fp8)
+        return gate_up, down, tuple(scales), None, "pallas", ex.w8a8
     gate_up, down = block.experts.dequantized(dtype)
-    act = ACT_BLOCK if block.config.act_fp8 else None
-    return gate_up, down, (), act, pallas and act is None, False
+    act = ACT_BLOCK if ex.w8a8 else None
+    local = "dense" if ex.experts == "dense" else "pallas" if kernels and act is None else "sorted"
+    return gate_up, down, (), act, local, False
 
 
 # ------------------------------------------------------------------------------------------------------------

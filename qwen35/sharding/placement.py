@@ -1,9 +1,8 @@
 """Placing a model on a mesh: parameter PartitionSpecs by checkpoint name, sharded loading (each tensor straight
-to its devices), cache specs, and `shard_model`."""
+to its devices), cache specs, and `shard_model`, which builds the placed model (`PlacedLM`) with its execution."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -11,7 +10,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from qwen35.config import Qwen35Config
-from qwen35.sharding.exchange import SCHEMES, expert_operands, moe_ep, tp_interleave_gate_up
+from qwen35.execution import Execution
+from qwen35.model import HybridCache, Qwen35ForCausalLM, bound_call
+from qwen35.sharding.exchange import moe_on_mesh, tp_interleave_gate_up
 from qwen35.sharding.mesh import (LOGICAL_RULES, ShardingError, _axes_desc, _axes_size, _rules_dict, check_mesh,
                                   logical_to_spec, mesh_axes_for, param_logical_axes)
 
@@ -73,16 +74,17 @@ def checkpoint_shardings(mesh: Mesh, rules=LOGICAL_RULES, config: Qwen35Config |
     return shardings
 
 
-def load_sharded(path, mesh: Mesh, *, rules=LOGICAL_RULES, moe_exchange: str = "allgather", **load_kwargs):
+def load_sharded(path, mesh: Mesh, *, rules=LOGICAL_RULES, **load_kwargs):
     """`load_hf_checkpoint` straight onto `mesh` (`checkpoint_shardings`), then `shard_model`: the serving model
     for a checkpoint bigger than one device, e.g. `load_sharded(path, make_mesh(expert=8), dtype=jnp.bfloat16)`
     for the Ironwood post's DP attention + EP layout. The mesh is checked against the checkpoint's config before any
-    tensor is read; `load_kwargs` go to `load_hf_checkpoint`."""
+    tensor is read; `load_kwargs` go to `load_hf_checkpoint` (its `execution` is the placed model's, plus the
+    mesh)."""
     from qwen35.weights import load_hf_checkpoint
 
     config = Qwen35Config.from_hf(path)  # ConfigError / ShardingError here, before any tensor is read
     model = load_hf_checkpoint(path, shardings=checkpoint_shardings(mesh, rules, config), **load_kwargs)
-    return shard_model(model, mesh, moe_exchange=moe_exchange, rules=rules)
+    return shard_model(model, mesh, rules=rules)
 
 
 
@@ -147,81 +149,61 @@ def _sharded_forward(mesh, rules, with_cache: bool):
 
         if not with_cache:
             return jax.jit(f, out_shardings=(jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 3, rules)), None))
-        return jax.jit(f)  # cache shardings: given per call in `ShardedLM.__call__` via lax.with_sharding_constraint
+        return jax.jit(f)  # the cache keeps the shardings `PlacedLM.init_cache` gave it
     return build
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshExecution:
-    """How a sharded model runs, chosen once by `shard_model` and held by the model as `model.execution` (a
-    hashable value: part of the model's graph, so its jitted programs are built per execution). The model's own
-    layers run unchanged; the execution supplies what differs on a mesh:
+class PlacedLM(Qwen35ForCausalLM):
+    """A `Qwen35ForCausalLM` placed on a mesh, built by `shard_model` (or `load_sharded`) with its execution's mesh
+    and rules. The layers are the model's own and run the same code; what differs on a mesh:
 
-      `routed_fn()`   the MoE's routed-expert sum as `moe_ep` over `mesh` (handed to every `SparseMoeBlock`);
+      `routed_fn()`   the MoE's routed-expert sum through the exchange (`qwen35.sharding.moe_on_mesh`);
       `init_cache`    the dense cache placed batch-split over the mesh's batch axes;
-      `call`          one jit of the model's forward with the input ids and logits batch-split.
+      `__call__`      one jit of the forward with the input ids and logits batch-split."""
 
-    mesh, rules (any rules table; kept as a hashable tuple of items), moe_exchange (one of `SCHEMES`),
-    capacity_factor (all-to-all only), moe_chunks and gate_up_layout: `moe_ep`'s options."""
-
-    mesh: Mesh
-    rules: tuple = LOGICAL_RULES
-    moe_exchange: str = "allgather"
-    capacity_factor: float | None = None
-    moe_chunks: int = 1
-    gate_up_layout: str = "checkpoint"
-
-    def __post_init__(self):
-        object.__setattr__(self, "rules", _rules_key(self.rules))
+    placed = True
 
     def routed_fn(self):
-        """`routed(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` through `moe_ep`."""
-        # backend="pallas": the local experts run on the grouped matmul kernels (the exact exchanges; with
-        # tensor-parallel experts on each device's I/m slice), FP8 experts read as stored where each device holds
-        # whole experts (a 128x128 scale block does not split over I/m)
-        kernels = self.moe_exchange in ("allgather", "ragged")
-        whole = not mesh_axes_for("expert_mlp", self.mesh, self.rules)
+        return moe_on_mesh
 
-        def routed(block, x, weights, experts):
-            common = dict(mesh=self.mesh, scheme=self.moe_exchange, capacity_factor=self.capacity_factor,
-                          rules=self.rules, chunks=self.moe_chunks, gate_up_layout=self.gate_up_layout)
-            pallas = kernels and block.impl == "sorted" and block.config.backend == "pallas"
-            gate_up, down, scales, act, on_kernels, act_fp8 = expert_operands(block, x.dtype, pallas, whole)
-            gs, ds = scales or (None, None)
-            return moe_ep(x, weights, experts, gate_up, down, local_impl="pallas" if on_kernels else "sorted",
-                          act_block=act, gate_up_scale=gs, down_scale=ds, act_fp8=act_fp8, **common)
-        return routed
+    @property
+    def rules(self) -> tuple:
+        return self.execution.rules
 
-    def init_cache(self, model, batch_size: int, max_len: int, dtype=None):
-        """`model`'s zero cache, each sequence's layers on the devices of its share of the batch axes."""
-        _check_batch(batch_size, self.mesh, self.rules)
-        zeros = functools.partial(model.zeros_cache, batch_size, max_len, dtype)
-        sh = _named(self.mesh, cache_specs(jax.eval_shape(zeros), self.mesh, self.rules))
+    def _new_cache(self, batch_size: int, max_len: int, dtype) -> HybridCache:
+        mesh, rules = self.execution.mesh, self.rules
+        _check_batch(batch_size, mesh, rules)
+        zeros = functools.partial(self.zeros_cache, batch_size, max_len, dtype)
+        sh = _named(mesh, cache_specs(jax.eval_shape(zeros), mesh, rules))
         return jax.jit(zeros, out_shardings=sh)()
 
-    def call(self, model, input_ids, cache):
-        """`model(input_ids, cache)` (already checked) as one jit over the mesh: (logits, cache)."""
-        from qwen35.model import bound_call
-
-        _check_batch(input_ids.shape[0], self.mesh, self.rules)
+    def _call(self, input_ids, cache):
+        mesh, rules = self.execution.mesh, self.rules
+        _check_batch(input_ids.shape[0], mesh, rules)
         ids = jax.device_put(jnp.asarray(input_ids, jnp.int32),
-                             jax.sharding.NamedSharding(self.mesh, _batch_spec(self.mesh, 2, self.rules)))
-        kind = ("sharded", cache is not None)  # the execution is part of the model's graph
-        f, leaves = bound_call(model, kind, _sharded_forward(self.mesh, self.rules, cache is not None))
+                             jax.sharding.NamedSharding(mesh, _batch_spec(mesh, 2, rules)))
+        f, leaves = bound_call(self, ("sharded", cache is not None), _sharded_forward(mesh, rules, cache is not None))
         logits, new_cache = f(leaves, ids, cache)
         if new_cache is not None:  # keep the cache where init_cache put it (a no-op when already there)
-            new_cache = jax.device_put(new_cache, _named(self.mesh, cache_specs(new_cache, self.mesh, self.rules)))
+            new_cache = jax.device_put(new_cache, _named(mesh, cache_specs(new_cache, mesh, rules)))
         return logits, new_cache
+
+
+def placed_abstract(config: Qwen35Config, execution: Execution, mesh, rules=LOGICAL_RULES, **kwargs) -> PlacedLM:
+    """A `PlacedLM`'s structure with shapes only (nothing allocated), run by `execution` on `mesh` with `rules`:
+    what `shard_model` merges the placed arrays into, and what the memory plans lower. `kwargs` go to the
+    constructor (param_dtype, dtype, fp8_experts, mtp)."""
+    return PlacedLM.abstract(config, execution=execution.replace(mesh=mesh, rules=_rules_key(rules)), **kwargs)
 
 
 def _rules_key(rules):
     return tuple(_rules_dict(rules).items())
 
 
-def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_RULES,
-                capacity_factor: float | None = None, moe_chunks: int = 1):
-    """A sharded copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh`. The layout is the rules table
-    (`rules`, see `rules_with`) applied to the mesh:
+def shard_model(model, mesh, *, rules=LOGICAL_RULES, execution: Execution | None = None) -> PlacedLM:
+    """The placed copy of `model` (a `Qwen35ForCausalLM`) for serving on `mesh`: a `PlacedLM` built with the
+    model's execution (or `execution`, when given) plus `mesh` and `rules`. The layout is the rules table (`rules`,
+    see `rules_with`) applied to the mesh:
 
       DP attention + EP (the Ironwood post's; default rules, `make_mesh(expert=8)` or `make_mesh(data=2, expert=4)`):
                    expert weights A[E_X, 2I, H] split over the "experts" axes (E/n per device); attention, GDN,
@@ -238,32 +220,28 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
       pure DP      `make_mesh(data=8)` (a small model's natural layout): every weight replicated, the batch split;
                    each device runs its own tokens through every expert (no exchange).
 
-    The copy's `execution` (a `MeshExecution`) runs its MoE blocks through `moe_ep` with `moe_exchange`
-    "allgather" (exact), "ragged" (exact, a dropless all-to-all) or "alltoall" (capacity `capacity_factor`,
-    default 1.25; `num_experts / top_k` guarantees no drops), in `moe_chunks` pieces; the layers themselves are the
-    model's own.
+    The MoE blocks run through `moe_ep` with the execution's `exchange`: "allgather" (exact), "ragged" (exact, a
+    dropless all-to-all) or "alltoall" (capacity `capacity_factor`, default 1.25; `num_experts / top_k`
+    guarantees no drops), in `moe_chunks` pieces.
     `smodel.init_cache(B, S)` gives a cache placed to match; `logits, cache = smodel(ids, cache=cache)` runs one
     jit; B must be a multiple of the batch devices (a `ShardingError` says so).
 
     The original model is untouched (the copy holds new arrays)."""
     from flax import nnx
 
-    if moe_exchange not in SCHEMES:
-        raise ValueError(f"moe_exchange must be one of {SCHEMES}, got {moe_exchange!r}")
+    ex = model.execution if execution is None else execution
     check_mesh(model.config, mesh, rules)
-    if moe_exchange != "allgather" and not mesh_axes_for("experts", mesh, rules):
+    if ex.exchange != "allgather" and not mesh_axes_for("experts", mesh, rules):
         raise ShardingError(f"mesh {dict(mesh.shape)} has no axis the 'experts' rule maps to: the experts are "
-                            f"replicated and no tokens move, so moe_exchange={moe_exchange!r} does not apply; use "
-                            f"moe_exchange='allgather' (each device runs its own tokens through every expert) or a "
-                            f"mesh with an expert axis, e.g. make_mesh(expert=8)")
-    if moe_exchange == "alltoall" and model.config.act_fp8:
-        raise ValueError("W8A8 (config.act_fp8) runs with the exact exchanges; use moe_exchange='allgather' or "
-                         "'ragged'")
+                            f"replicated and no tokens move, so exchange={ex.exchange!r} does not apply; use "
+                            f"Execution(exchange='allgather') (each device runs its own tokens through every "
+                            f"expert) or a mesh with an expert axis, e.g. make_mesh(expert=8)")
     m = _axes_size(mesh, mesh_axes_for("expert_mlp", mesh, rules))
-    if m > 1 and any(layer.mlp.experts.fp8 for layer in model.model.layers):
+    fp8 = any(layer.mlp.experts.fp8 for layer in model.model.layers)
+    if m > 1 and fp8:
         raise ShardingError("TP-MoE splits each expert's rows, which FP8 experts' 128-row scale blocks do not "
                             "follow; use expert parallelism, or load the checkpoint with fp8='dequantize'")
-    if model.config.backend == "pallas":
+    if ex.kernels == "pallas":
         from qwen35.kernels.interpret import check_interpreter_threads
 
         check_interpreter_threads(mesh.size)
@@ -276,7 +254,8 @@ def shard_model(model, mesh, *, moe_exchange: str = "allgather", rules=LOGICAL_R
     params = jax.tree_util.tree_map_with_path(regroup, params)
     placed = jax.device_put(params, _named(mesh, specs))
     rest = jax.device_put(rest, jax.sharding.NamedSharding(mesh, P())) if jax.tree.leaves(rest) else rest
-    smodel = nnx.merge(graphdef, placed, rest)
-    smodel.execution = MeshExecution(mesh, rules, moe_exchange, capacity_factor, moe_chunks,
-                                     "tp_interleaved" if m > 1 else "checkpoint")  # the copy's, before any use
-    return smodel
+    # The placed model's structure, built with its execution (every layer holds it), filled with the placed arrays
+    abstract = placed_abstract(model.config, ex, mesh, rules, dtype=model.dtype, fp8_experts=fp8,
+                               mtp=model.mtp is not None)
+    placed_def = nnx.split(abstract, nnx.Param, ...)[0]
+    return nnx.merge(placed_def, placed, rest)
