@@ -16,9 +16,9 @@ Four words choose an implementation in the whole package, all of them fields of 
               all-to-all, drops past `capacity_factor`)
     w8a8      False | True: FP8 activations times the FP8 experts (needs experts stored in FP8)
 
-Each operation reads it in one place: attention (`GatedAttention.__call__`), the chunked and the single-step GDN
+Each operation reads it in one place: attention (`GatedAttention.attend`), the chunked and the single-step GDN
 (`GatedDeltaNet.__call__`), the grouped SwiGLU (`SparseMoeBlock.routed`) and the MoE exchange
-(`qwen35.sharding.placement.routed_on_mesh`). The value is hashable and part of every module's static structure,
+(`qwen35.sharding.moe_on_mesh`). The value is hashable and part of every module's static structure,
 so jitted programs are built per execution.
 """
 

@@ -695,7 +695,7 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array, *, routed_fn=None) -> tuple[jax.Array, jax.Array]:
         """`routed_fn(block, x [N, H], weights [N, k], experts [N, k]) -> y [N, H]` replaces `routed` for the
         routed-expert sum, around the same router and shared expert: a placed model hands in the expert-parallel
-        exchange (`qwen35.sharding.placement.routed_on_mesh`, a `shard_map`), the serving engine's data-parallel
+        exchange (`qwen35.sharding.moe_on_mesh`, a `shard_map`), the serving engine's data-parallel
         step, already inside a `shard_map`, its explicit collectives (`qwen35.sharding.moe_ep_local`)."""
         H = self.config.hidden_size
         if x.ndim != 3 or x.shape[-1] != H:
