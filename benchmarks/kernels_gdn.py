@@ -131,7 +131,8 @@ def _paged_case(B, page_size, pool_dtype, cfg_fn, conv=False):
     def build():
         from qwen35.kernels.paged_gdn_decode import (paged_conv_gdn_decode, paged_conv_gdn_decode_reference,
                                                      paged_gdn_decode, paged_gdn_decode_reference)
-        from qwen35.serving.cache import init_paged_cache, pool_layout, write_rec
+        from qwen35.serving.cache import init_paged_cache
+        from qwen35.pool import pool_layout, write_rec
 
         cfg = cfg_fn()
         Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim

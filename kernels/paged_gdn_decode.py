@@ -261,7 +261,7 @@ def _paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, *, lay, scal
 def paged_gdn_decode(q, k, v, g, beta, pool, blocks, fresh, layer, lay: PoolLayout, *, scale=None, interpret=None):
     """One decode token for each of B rows through a GDN layer's recurrent rule, each row's state read from and
     written to the serving pool by its state block ids (see the module docstring). `lay`: the pool's geometry in
-    plain sizes (`qwen35.serving.cache.layout_of(config, pool)` gives it). `interpret`: None picks Mosaic on a TPU
+    plain sizes (`qwen35.pool.layout_of(config, pool)` gives it). `interpret`: None picks Mosaic on a TPU
     and TPU interpret mode elsewhere. The pool is donated under jit: use the returned one."""
     _check(q, k, v, g, beta)
     _check_pool(pool, blocks, fresh, lay, *q.shape, v.shape[-1])

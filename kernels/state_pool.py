@@ -50,7 +50,7 @@ def conv_stride(conv_dim: int) -> int:
 
 class PoolLayout(NamedTuple):
     """Where everything lives in the pool (see the module docstring); sizes in pool elements. Plain integers: the
-    serving cache computes them from the model's config (`qwen35.serving.cache.pool_layout`)."""
+    serving cache computes them from the model's config (`qwen35.pool.pool_layout`)."""
 
     attention_layers: int  # A: the pool has 2A units per block
     gdn_layers: int

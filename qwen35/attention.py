@@ -27,8 +27,9 @@ from flax import nnx
 
 from qwen35.config import Qwen35Config
 from qwen35.execution import Execution
-from qwen35.kernels.ragged_paged_attention import ragged_paged_attention
+from qwen35.kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_pool
 from qwen35.layers import Linear, RMSNorm
+from qwen35.pool import from_pool, pool_dtype, to_pool
 
 __all__ = [
     "rope_inv_freq",
@@ -304,6 +305,102 @@ def _static_int(x) -> int | None:
         return None
 
 
+# ------------------------------------------------------------------------------------------------------------
+# The serving step's paged attention: K/V in the pool's pages, queries packed by rows
+def _paged_attend(kernels: str):
+    """The step's ragged paged attention for `kernels` (the layer's `execution.kernels`), as
+    `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
+    (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
+    as [2A, num_blocks, page_size, Hkv, D], the layer's K pages at pages[ki] and V pages at pages[ki + 1]): the
+    Pallas kernel for "pallas" (it reads everything through the block tables, in place), else
+    `_paged_attention_rows` (the reference's result, laid out by rows)."""
+    if kernels == "pallas":
+        return lambda q, k, v, pages, ki, b: ragged_paged_attention_pool(
+            q, pages, ki, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, kv_dtype=pool_dtype(pages))
+    return _paged_attention_rows
+
+
+def _softmax_attend(spec: str, qg, k, v, mask, scale):
+    """Masked softmax attention in float32. `spec` names q's leading axes (before [Hkv, G, D]) and k/v's (before
+    [L, Hkv, D]), e.g. "pj,p" for a block of queries per row; mask has q's leading axes + [L]. Fully masked
+    queries give 0."""
+    qa, ka = spec.split(",")
+    # Keys in their stored dtype, products accumulated in float32: exact for a bf16 cache and bf16 queries (q's
+    # float32 copy of bf16 values rounds back exactly), without a float32 copy of every gathered key.
+    q_in = qg.astype(k.dtype) if qg.dtype != k.dtype and jnp.finfo(k.dtype).bits < 32 else qg
+    s = jnp.einsum(f"{qa}kgd,{ka}lkd->{qa}kgl", q_in, k, preferred_element_type=jnp.float32) * scale
+    mask = mask[..., None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return jnp.einsum(f"{qa}kgl,{ka}lkd->{qa}kgd", p / jnp.where(denom > 0, denom, 1.0), v)
+
+
+def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b):
+    """Ragged paged attention for the XLA kernels, by rows instead of by tokens: the same result as
+    `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
+    ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
+
+    Every row's last token attends to the row's pages ([Sb, L]: all a decode row has). The rows with several
+    tokens (prefill chunks) attend again as the padded block [Sp, Lb] of `gather_idx` and replace their tokens'
+    outputs (the layout `_gdn` uses): causally to the chunk's own keys and values `k_new`, `v_new` (no page
+    gather), after the context the row had before this step, read from its first Pc pages (`ctx_pages`). A
+    prompt prefilled in one step has no context (Pc = 0), so its attention costs Lb keys per query, not the
+    L = P·page_size of the whole block table. When Pc·page_size + Lb would reach L anyway, the engine passes the
+    whole table (Pc = P) and the chunk reads every key, its own included, from the pages."""
+    T, Hq, D = q.shape
+    _, _, PS, Hkv, _ = pool_pages.shape
+    Sb, P = b.page_indices.shape
+    G, L = Hq // Hkv, P * PS
+    scale = D ** -0.5
+    kv_dtype = pool_dtype(pool_pages)
+
+    def pages(table):  # [R, P'] page ids -> K [R, P'·PS, Hkv, D] (cache dtype), V (float32): gathers in the pool
+        R, n = table.shape
+        return (from_pool(pool_pages[ki, table], pool_pages).reshape(R, n * PS, Hkv, D),
+                from_pool(pool_pages[ki + 1, table], pool_pages).reshape(R, n * PS, Hkv, D).astype(jnp.float32))
+
+    k, v = pages(b.page_indices)
+    qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
+    key_pos = jnp.arange(L, dtype=jnp.int32)
+    live = jnp.arange(Sb) < b.num_seqs[0]
+    visible = (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None]  # [Sb, L]
+    Sp, Lb = b.gather_idx.shape
+    Sv, K1 = b.spec_idx.shape
+    if b.verify_only.shape[0]:  # every row verifies drafts: the verify block below covers every token
+        o = jnp.zeros((T, Hkv, G, D), jnp.float32)
+    else:
+        o = _softmax_attend("s,s", qf[b.last_idx], k, v, visible, scale)[b.tok_row]  # [Tb, Hkv, G, D]
+    if Sp:
+        r = jnp.minimum(b.pf_rows, Sb - 1)
+        valid = b.gather_valid
+        j = jnp.arange(Lb)
+        Pc = b.ctx_pages.shape[1]
+        start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
+        if Pc == P:  # the whole block table (cheaper than context + chunk): the chunk's K/V are in the pages too
+            keys, vals = pages(b.ctx_pages)
+            pos = start[:, None] + j[None, :]  # [Sp, Lb]
+            mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
+        else:
+            keys = k_new[b.gather_idx].astype(kv_dtype)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
+            vals = v_new[b.gather_idx].astype(jnp.float32)
+            mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
+            if Pc:  # a chunk that continues a sequence: its earlier tokens from the first Pc pages come first
+                kc, vc = pages(b.ctx_pages)
+                ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
+                keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
+                mask = jnp.concatenate([ctx, mask], axis=-1)
+        o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
+        o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
+    if Sv:  # verify rows (a speculative step): each token attends causally to its row's pages, itself included
+        r = jnp.minimum(b.spec_rows, Sb - 1)
+        mask = key_pos[None, None, :] <= b.positions[b.spec_idx][..., None]  # [Sv, K1, L]
+        o_sp = _softmax_attend("pj,p", qf[b.spec_idx], k[r], v[r], mask, scale)  # [Sv, K1, Hkv, G, D]
+        o = o.at[b.spec_idx.reshape(-1)].set(o_sp.reshape(Sv * K1, *o.shape[1:]), mode="drop")
+    return o.reshape(T, Hq, D).astype(q.dtype)
+
+
 class GatedAttention(nnx.Module):
     """The full-attention mixer of Qwen3.5 (`model.layers.{i}.self_attn.*`).
 
@@ -313,7 +410,8 @@ class GatedAttention(nnx.Module):
     (y, None). With a cache: the new keys/values are written at [cache_index, cache_index + T) and the T queries
     attend over the cache up to their own position; returns (y, updated cache). `execution.kernels` picks the
     attention core (the one dispatch, `attend`): "pallas" the ragged paged attention kernel (`_pallas_attention`),
-    "xla" `gqa_attention`.
+    "xla" `gqa_attention`. `paged(x, pool, i, b)` is the same layer in the serving step, its K/V in the pool's pages
+    (the kernel reads them through the block tables; the XLA path by rows, `_paged_attention_rows`).
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
@@ -415,3 +513,20 @@ class GatedAttention(nnx.Module):
             new_cache = KVCache(ck, cv)
             o = attend(q, ck.astype(q.dtype), cv.astype(q.dtype), q_positions=positions, kv_len=start + T)
         return self.output(o, gate, x.dtype), new_cache
+
+    def paged(self, x, pool, i, b):
+        """This layer as attention layer i (of the model's attention layers) of a serving step, on its packed tokens
+        x [Tb, H] over the cache pool: (y [Tb, H], pool). `b` is the step's packed batch (a
+        `qwen35.serving.runner.StepBatch`: positions, slot mapping, block tables, the prefill and verify rows). The
+        the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
+        its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of
+        `paged_attention` over the block tables, the layer's own output gate and projection."""
+        q, k, v, gate = (t[0] for t in self.project(x[None], b.positions))
+        C, NB, _ = pool.shape
+        Hkv, Dh = k.shape[1:]
+        PS = pool.shape[2] // (Hkv * Dh)
+        flat = pool.reshape(C, NB * PS, Hkv, Dh)  # free views of the pool: token slots, then pages
+        flat = flat.at[2 * i, b.slot_mapping].set(to_pool(k, pool)).at[2 * i + 1, b.slot_mapping].set(to_pool(v, pool))
+        pages = flat.reshape(C, NB, PS, Hkv, Dh)
+        o = _paged_attend(self.execution.kernels)(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
+        return self.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)

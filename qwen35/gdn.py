@@ -24,7 +24,9 @@ from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
 from qwen35.kernels.delta_rule import (causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule,  # noqa: F401
                                        gated_delta_rule_step, l2norm, recurrent_gated_delta_rule)
 from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
+from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode, supports_paged_decode
 from qwen35.layers import DEFAULT_INIT_STD, Linear, RMSNormGated, init_uniform
+from qwen35.pool import NO_BLOCK, layout_of, read_conv, read_rec, write_state
 
 __all__ = [  # the rule's functions (`qwen35.kernels.delta_rule`) and the layer's
     *_rule.__all__,
@@ -100,7 +102,8 @@ class GatedDeltaNet(nnx.Module):
     with a state, a single token takes the recurrent step (conv update + one delta-rule step) and anything longer
     takes the chunked rule from the cached state. The returned state continues the sequence.
     `execution.kernels` picks the rule's implementation (the one dispatch, in `__call__`): "xla" runs the pure-JAX
-    conv and rules, "pallas" the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`).
+    conv and rules, "pallas" the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`). `paged(x, pool, j, b)` is
+    the same layer in the serving step, the rows' states read and written in the pool by block id.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
@@ -224,3 +227,144 @@ class GatedDeltaNet(nnx.Module):
             conv_state=None if state is None else state.conv, initial_state=None if state is None else state.recurrent,
             use_qk_l2norm=True, chunk_size=max(self.chunk_for(), w.shape[-1]))
         return o.reshape(B, T, self.num_v_heads, self.head_v_dim), conv_state, rec
+
+    def paged(self, x, pool, j, b):
+        """This layer as GDN layer j (of the model's GDN layers) of a serving step, on its packed tokens x [Tb, H] over
+        the cache pool: (y [Tb, H], pool). `b` is the step's packed batch (a `qwen35.serving.runner.StepBatch`: the
+        rows' state blocks, fresh flags, prefill and verify rows). The layer's own
+        projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
+        is reading and writing the rows' states in the pool and running the rules by rows (see the module
+        docstring)."""
+        Sb = b.state_blocks.shape[0]
+        Sp, Lb = b.gather_idx.shape
+        Sv, K1 = b.spec_idx.shape
+        mixed, z, a, bb = self.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
+        g, beta = self.gates(a, bb)
+        fresh = b.fresh
+        paged = _paged(self, pool)
+
+        def fresh_of(rows):  # [n] whether each of `rows` starts from zero (Sb: padding)
+            return fresh[jnp.minimum(rows, Sb - 1)]
+
+        def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
+            return jnp.where(fresh_of(rows)[:, None, None, None], 0.0, read_rec(self.config, pool, j, _blocks_of(b, rows)))
+
+        def conv_of(rows):  # the conv states [n, C, Kc] of `rows` [n] in the activations' dtype
+            return jnp.where(fresh_of(rows)[:, None, None], 0, read_conv(self.config, pool, j, _blocks_of(b, rows), x.dtype))
+
+        if paged:  # the kernel reads the decode rows' states itself; the dense rules get only the prefill and verify rows'
+            rec0, conv0 = None, None
+            s0, c_pf = (rec_of(b.pf_rows), conv_of(b.pf_rows)) if Sp else (None, None)
+            sv0, c_sv = (rec_of(b.spec_rows), conv_of(b.spec_rows)) if Sv else (None, None)
+            # every read of the pool before the kernel that updates it in place (else XLA would copy the pool)
+            c_pf, c_sv, s0, sv0, pool = jax.lax.optimization_barrier((c_pf, c_sv, s0, sv0, pool))
+        else:
+            conv0 = jnp.where(fresh[:, None, None], 0, read_conv(self.config, pool, j, b.state_blocks, x.dtype))
+            rec0 = jnp.where(fresh[:, None, None, None], 0.0, read_rec(self.config, pool, j, b.state_blocks))
+            pf, sv = jnp.minimum(b.pf_rows, Sb - 1), jnp.minimum(b.spec_rows, Sb - 1)
+            s0, c_pf = (rec0[pf], conv0[pf]) if Sp else (None, None)
+            sv0, c_sv = (rec0[sv], conv0[sv]) if Sv else (None, None)
+
+        if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
+            o = jnp.zeros((x.shape[0], self.num_v_heads, self.head_v_dim), x.dtype)
+        else:
+            o, pool = _gdn_rows(self, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged)
+        if Sv:  # verify rows: the single-token rule token by token, the state after each kept in its own group
+            conv, rec = c_sv, sv0
+            outs, convs, recs = [], [], []
+            for i in range(K1):
+                o_i, conv, rec = _gdn_token(self, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
+                outs.append(o_i.astype(x.dtype))
+                convs.append(conv)
+                recs.append(rec)
+            o = o.at[b.spec_idx.reshape(-1)].set(jnp.stack(outs, 1).reshape(Sv * K1, *o.shape[1:]), mode="drop")
+            flat = lambda t: jnp.stack(t, 1).reshape(Sv * K1, *t[0].shape[1:])  # noqa: E731
+            # one write for every group (after the rows' own write: group 0 is the row's state blocks)
+            pool = write_state(self.config, pool, j, b.spec_states.reshape(Sv * K1, -1), flat(convs), flat(recs))
+        return self.output(o, z), pool
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The serving step's GDN by rows, its states in the pool by block id (`GatedDeltaNet.paged`)
+def _paged(gdn, pool) -> bool:
+    """Whether this GDN layer's decode rows run the paged kernel (states read and written in the pool by index):
+    the Pallas kernels on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
+    if gdn.execution.kernels != "pallas":
+        return False
+    return supports_paged_decode(layout_of(gdn.config, pool))
+
+
+def _blocks_of(b, rows):
+    """The state blocks [n, NS] of `rows` [n] (a padding entry, row Sb, at NO_BLOCK: reads zeros, writes dropped)."""
+    Sb = b.state_blocks.shape[0]
+    return jnp.where((rows < Sb)[:, None], b.state_blocks[jnp.minimum(rows, Sb - 1)], NO_BLOCK)
+
+
+def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
+    """The single-token rule for the packed tokens `idx` [R] from states conv [R, C, Kc] and rec [R, Hv, Dk, Dv]:
+    (o [R, Hv, Dv] float32, new conv, new rec). With `kernels="pallas"`, conv update, gates and the recurrent
+    step in one kernel (the state read once and written once)."""
+    w = gdn.conv1d.weight[...]
+    if gdn.execution.kernels == "pallas":
+        return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
+                                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
+    y, conv = causal_conv1d_update(mixed[idx], w, conv)
+    q, k, v = gdn.heads(y)
+    o, rec = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec)
+    return o, conv, rec
+
+
+def _gdn_rows(gdn, b, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged: bool):
+    """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
+    the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
+    pool). conv0, rec0: every row's states; c_pf, s0: the prefill rows'. `paged`: the single-token step (conv
+    and rule) is the paged kernel, which reads and writes the rows' conv and recurrent states in the pool itself
+    (conv0 and rec0 are None; prefill rows excluded: their states come from the chunked rule)."""
+    Sb = b.state_blocks.shape[0]
+    Sp, Lb = b.gather_idx.shape
+    w = gdn.conv1d.weight[...]
+    Kc = w.shape[-1]
+    pallas = gdn.execution.kernels == "pallas"
+    if paged:
+        idx = b.last_idx
+        is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
+        blocks = jnp.where(is_pf[:, None], NO_BLOCK, b.state_blocks)  # prefill rows: written after, from their chunk
+        o_dec, pool = paged_conv_gdn_decode(
+            mixed[idx], a[idx], bb[idx], w, gdn.A_log[...], gdn.dt_bias[...], pool, blocks, b.fresh, j,
+            layout_of(gdn.config, pool), num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim,
+            head_v_dim=gdn.head_v_dim)
+        conv_new = rec_new = None
+    else:
+        o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
+    o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
+    if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
+        c0 = c_pf  # padding entries (pf_rows = Sb) read zeros or any row; their writes are dropped
+        valid = b.gather_valid
+        xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
+        hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
+        take = jnp.sum(valid, axis=1)[:, None] + jnp.arange(Kc)[None, :]  # the last Kc real inputs
+        conv_pf = jnp.swapaxes(jnp.take_along_axis(hist, take[..., None], axis=1), 1, 2)
+        gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
+        betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
+        if pallas:  # the conv fused into the chunked kernel (its output never in memory): the Sp rows back to back,
+            # Lb tokens each (padding steps are no-ops for the rule; the conv state comes from `take` above)
+            flat = lambda t: t.reshape(Sp * Lb, *t.shape[2:])  # noqa: E731
+            o_pf, rec_pf, _ = chunked_gdn_conv_packed(
+                flat(xb), w, flat(gb), flat(betab), jnp.arange(Sp + 1, dtype=jnp.int32) * Lb,
+                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, conv_state=c0, initial_state=s0,
+                use_qk_l2norm=True, chunk_size=max(gdn.chunk_for(), Kc))
+            o_pf = o_pf.reshape(Sp, Lb, gdn.num_v_heads, gdn.head_v_dim)
+        else:
+            yb, _ = causal_conv1d(xb, w, c0)
+            qb, kb, vb = gdn.heads(yb)
+            o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
+                                                  initial_state=s0)
+        if paged:  # the prefill rows' states, to their own blocks (padding entries at NO_BLOCK: dropped)
+            pool = write_state(gdn.config, pool, j, _blocks_of(b, b.pf_rows), conv_pf, rec_pf)
+        else:
+            conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
+            rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
+        o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
+    if paged:
+        return o, pool
+    return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)

@@ -335,7 +335,8 @@ def _scattered_pool(rng, cfg, page_size, dtype):
     """(layout, pool, blocks [4, state_blocks]): the tiny preset's pool, every unit holding random bits, then real
     conv and recurrent states (random bits are not all finite floats) in every GDN layer of three rows with
     scattered state blocks, and a fourth, padding row at NO_BLOCK."""
-    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, pool_layout, write_state
+    from qwen35.serving.cache import init_paged_cache
+    from qwen35.pool import NO_BLOCK, pool_layout, write_state
 
     lay = pool_layout(cfg, page_size, dtype)
     NB = 3 * lay.state_blocks + 4
@@ -371,7 +372,7 @@ def test_paged_decode_matches_gather_rule_scatter(rng, dtype, page_size):
     program (the layer index traced). Outputs and new states agree to float32 rounding; every pool element outside
     the rows' recurrent units of that layer keeps its bits (the other layers, the conv units, the K/V pages)."""
     from qwen35.kernels.paged_gdn_decode import paged_gdn_decode, paged_gdn_decode_reference
-    from qwen35.serving.cache import read_rec
+    from qwen35.pool import read_rec
 
     cfg = tiny()
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -409,7 +410,7 @@ def test_paged_conv_decode_matches_gather_conv_rule_scatter(rng, dtype, page_siz
     recurrent states agree to float32 rounding, the conv windows bit for bit; every pool element outside the rows'
     units of that layer keeps its bits."""
     from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode, paged_conv_gdn_decode_reference
-    from qwen35.serving.cache import read_conv, read_rec
+    from qwen35.pool import read_conv, read_rec
 
     cfg = tiny()
     Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
@@ -442,7 +443,7 @@ def test_paged_conv_decode_lowers_for_tpu(dtype):
     """The Mosaic lowering on the 397B model's pool (256-token pages) for 64 decode rows with bf16 projections."""
     from qwen35.config import get_preset
     from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode
-    from qwen35.serving.cache import pool_layout
+    from qwen35.pool import pool_layout
 
     cfg = get_preset("qwen35-397b-a17b")
     lay = pool_layout(cfg, 256, dtype)
@@ -464,7 +465,7 @@ def test_paged_decode_lowers_for_tpu(dtype):
     two bf16 planes, or 8 float32 units) and 64 decode rows."""
     from qwen35.config import get_preset
     from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
-    from qwen35.serving.cache import pool_layout
+    from qwen35.pool import pool_layout
 
     cfg = get_preset("qwen35-397b-a17b")
     lay = pool_layout(cfg, 256, dtype)
@@ -480,7 +481,8 @@ def test_paged_decode_lowers_for_tpu(dtype):
 
 def test_paged_decode_bad_input_is_a_clear_error():
     from qwen35.kernels.paged_gdn_decode import paged_gdn_decode
-    from qwen35.serving.cache import init_paged_cache, pool_layout
+    from qwen35.serving.cache import init_paged_cache
+    from qwen35.pool import pool_layout
 
     cfg = tiny()
     lay = pool_layout(cfg, 16, np.float32)

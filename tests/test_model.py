@@ -151,7 +151,6 @@ def test_bf16_activations_stay_bf16_through_gdn(prompt):
     """The GDN rules compute in float32 (q, k normalised in it); the mixer's output returns to the activations'
     dtype, in the model and in the serving runner: a bf16 model keeps bf16 hidden states (half the bytes)."""
     from qwen35.serving import Engine, SamplingParams
-    from qwen35.serving.runner import _gdn
 
     m = Qwen35ForCausalLM(qwen35.tiny(), rngs=nnx.Rngs(2), param_dtype=jnp.bfloat16)
     gdn = m.model.layers[0].linear_attn
@@ -165,5 +164,5 @@ def test_bf16_activations_stay_bf16_through_gdn(prompt):
     batch = jax.device_put(eng.build_batch(eng.scheduler.schedule()))  # a prefill row and a one-token row
     xs = jnp.asarray(np.random.default_rng(1).standard_normal((batch.tokens.shape[0], m.config.hidden_size)),
                      jnp.bfloat16)
-    ys, pool = _gdn(gdn, xs, batch, eng.cache.pool, 0)  # GDN layer 0 on the engine's cache pool
+    ys, pool = gdn.paged(xs, eng.cache.pool, 0, batch)  # GDN layer 0 on the engine's cache pool
     assert ys.dtype == jnp.bfloat16 and pool.dtype == jnp.uint16  # the pool keeps bf16's bits

@@ -259,7 +259,8 @@ def test_pool_state_round_trip(dtype):
     and writes nothing. The layout's sizes are the closed form: 16-token pages of 2 layers x K,V x 2 heads x 32
     dims are units of 1,024 elements, 4 a block; a layer's recurrent state 4 x 16 x 24 float32 takes 2 units (3 in
     bf16 halves), its conv state 160 x 4 one."""
-    from qwen35.serving.cache import NO_BLOCK, init_paged_cache, layout_bytes, pool_layout, read_state, write_state
+    from qwen35.serving.cache import init_paged_cache, layout_bytes
+    from qwen35.pool import NO_BLOCK, pool_layout, read_state, write_state
 
     cfg = tiny()
     lay = pool_layout(cfg, 16, dtype)
@@ -289,7 +290,7 @@ def test_pool_state_round_trip(dtype):
 
 
 def pool_layout_of(model):
-    from qwen35.serving.cache import pool_layout
+    from qwen35.pool import pool_layout
 
     return pool_layout(model.config, 16, model.dtype)
 
@@ -376,7 +377,8 @@ def test_layer_programs_compile_per_shape_of_what_they_read(model):
     assert set(BATCH_FIELDS["gdn"]).isdisjoint({"page_indices", "ctx_pages", "slot_mapping", "kv_lens"})
     view = batch_view(StepBatch(*range(len(StepBatch._fields))), "head")
     assert {f for f, x in zip(StepBatch._fields, view) if x is not None} == set(BATCH_FIELDS["head"])
-    from qwen35.serving.cache import SCRATCH_PAGE, PagedHybridCache
+    from qwen35.serving.cache import PagedHybridCache
+    from qwen35.pool import SCRATCH_PAGE
 
     engine = make_engine(model, 2, 16)
     for p in ([1, 2, 3], [4, 5]):
@@ -454,7 +456,7 @@ def test_rowwise_attention_equals_the_reference_on_engine_batches(model, prompts
     of every batch shape a mixed run produces: decode-only steps, whole-prompt prefills, continued chunks, and
     these together."""
     from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_reference
-    from qwen35.serving.runner import _paged_attention_rows
+    from qwen35.attention import _paged_attention_rows
 
     modes = set()
     for block_size in (16, 256):  # pages of 16: context pages + chunk; of 256: one page, read whole (Pc = P)

@@ -10,8 +10,9 @@ seeds), `runner` (the jitted step built on the model's modules), `engine` (the A
 benchmark workloads and the TPS/chip table).
 """
 
-from qwen35.serving.cache import (BlockAllocator, PagedHybridCache, PoolLayout, init_paged_cache, layout_bytes,
-                                  pool_layout)
+from qwen35.kernels.state_pool import PoolLayout
+from qwen35.pool import pool_layout
+from qwen35.serving.cache import BlockAllocator, PagedHybridCache, init_paged_cache, layout_bytes
 from qwen35.serving.engine import ByteTokenizer, Engine, RequestOutput, StepEvent
 from qwen35.serving.sampling import SamplingParams, sample, sampling_probs
 

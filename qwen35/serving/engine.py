@@ -27,7 +27,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_blocks, pool_layout
+from qwen35.pool import pool_layout
+from qwen35.serving.cache import BlockAllocator, init_paged_cache, pool_blocks
 from qwen35.serving.runner import DataParallel, DraftStep, FusedStep, LayerwiseStep, StepBatch, padding_batch
 from qwen35.serving.sampling import SamplingParams
 from qwen35.serving.scheduler import FINISHED, Request, Scheduler

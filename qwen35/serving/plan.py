@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from qwen35.execution import Execution
-from qwen35.serving.cache import init_paged_cache, pool_blocks, pool_layout
+from qwen35.pool import pool_layout
+from qwen35.serving.cache import init_paged_cache, pool_blocks
 from qwen35.serving.engine import _page_width, _pow2
 from qwen35.serving.runner import DataParallel, LayerwiseStep, _build_step, _leaf_spec, layer_indices, padding_batch
 

@@ -4,14 +4,16 @@ hybrid cache, then one sampled token per sequence.
 A step packs the tokens of every scheduled sequence back to back — prefill chunks and single decode tokens
 together — into `tokens [Tb]`, and runs the model's own modules on them: `DecoderLayer` (norms, residuals, the
 MoE), each mixer's own projections and output (`GatedAttention.project / output`, `GatedDeltaNet.project / gates
-/ heads / output`) and the model's head (`output_logits`). What is the step's own is where the state lives:
+/ heads / output`) and the model's head (`output_logits`). Where the state lives is each mixer's paged call,
+`GatedAttention.paged` and `GatedDeltaNet.paged` (given the pool and the step's packed batch); this module packs
+the batch, picks the programs and jits them:
 
   attention mixer:  K/V scattered into the layer's pages of the pool at `slot_mapping` (every token at its own position), then ragged
                     paged attention over the block tables (the Pallas kernel of `qwen35.kernels` when
-                    `execution.kernels == "pallas"`, else `_paged_attention_rows`: the reference's result, computed
+                    `execution.kernels == "pallas"`, else `attention._paged_attention_rows`: the reference's result, computed
                     by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
                     continues a sequence, the context pages before it)
-  GDN mixer:        the rows' states read from their state blocks in the pool (`cache.read_state`: only this
+  GDN mixer:        the rows' states read from their state blocks in the pool (`qwen35.pool.read_state`: only this
                     layer's units), for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last
                     token (exact for rows with one token: decodes), and for the rows with several tokens
                     (prefill chunks) their tokens gathered into a padded block [Sp, Lb] (`gather_idx`),
@@ -35,7 +37,7 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
                     of `qwen35.sharding.moe_ep_local` inside the step's `shard_map` (see `DataParallel`).
 
 Shapes are bucketed (see `Engine.step_shape`), so a run compiles a handful of programs; padding tokens write to
-the scratch page and padding rows' states go nowhere (`NO_BLOCK`, see `cache.py`).
+the scratch page and padding rows' states go nowhere (`NO_BLOCK`, see `qwen35.pool` and `cache.py`).
 
 Every layer program gets its index among the layers of its kind (`idx`: which units of the pool are its) as a
 traced argument, so the layers of one kind still share one compiled program.
@@ -53,19 +55,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from qwen35.config import FULL, LINEAR
-from qwen35.gdn import causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_delta_rule_step
-from qwen35.kernels.chunked_gdn import chunked_gdn_conv_packed
-from qwen35.kernels.fused_gdn_decode import fused_gdn_decode
-from qwen35.kernels.paged_gdn_decode import paged_conv_gdn_decode, supports_paged_decode
-from qwen35.kernels.ragged_paged_attention import ragged_paged_attention_pool
+from qwen35.config import LINEAR
 from qwen35.model import bind_program, output_logits
-from qwen35.serving.cache import (NO_BLOCK, SCRATCH_PAGE, PagedHybridCache, from_pool, layout_of, pool_dtype, read_conv,
-                                  read_rec, to_pool, write_state)
+from qwen35.pool import NO_BLOCK, SCRATCH_PAGE
+from qwen35.serving.cache import PagedHybridCache
 from qwen35.serving.sampling import sample, verify_drafts
 from qwen35.sharding import moe_ep_local
 
-__all__ = ["StepBatch", "padding_batch", "DataParallel", "paged_attention", "serving_forward", "step_fn", "FusedStep",
+__all__ = ["StepBatch", "padding_batch", "DataParallel", "serving_forward", "step_fn", "FusedStep",
            "LayerwiseStep", "DraftStep"]
 
 
@@ -151,267 +148,23 @@ def batch_view(b: StepBatch, reads: str) -> StepBatch:
     return b._replace(**{f: None for f in StepBatch._fields if f not in keep})
 
 
-def paged_attention(kernels: str):
-    """The step's ragged paged attention for `kernels` (the layer's `execution.kernels`), as
-    `attend(q, k, v, pages, ki, batch) -> [Tb, Hq, D]`
-    (k, v: this step's own keys and values [Tb, Hkv, D], already written into the pages; pages: the pool viewed
-    as [2A, num_blocks, page_size, Hkv, D], the layer's K pages at pages[ki] and V pages at pages[ki + 1]): the
-    Pallas kernel for "pallas" (it reads everything through the block tables, in place), else
-    `_paged_attention_rows` (the reference's result, laid out by rows)."""
-    if kernels == "pallas":
-        return lambda q, k, v, pages, ki, b: ragged_paged_attention_pool(
-            q, pages, ki, b.kv_lens, b.page_indices, b.cu_q_lens, b.num_seqs, kv_dtype=pool_dtype(pages))
-    return _paged_attention_rows
 
 
-def _softmax_attend(spec: str, qg, k, v, mask, scale):
-    """Masked softmax attention in float32. `spec` names q's leading axes (before [Hkv, G, D]) and k/v's (before
-    [L, Hkv, D]), e.g. "pj,p" for a block of queries per row; mask has q's leading axes + [L]. Fully masked
-    queries give 0."""
-    qa, ka = spec.split(",")
-    # Keys in their stored dtype, products accumulated in float32: exact for a bf16 cache and bf16 queries (q's
-    # float32 copy of bf16 values rounds back exactly), without a float32 copy of every gathered key.
-    q_in = qg.astype(k.dtype) if qg.dtype != k.dtype and jnp.finfo(k.dtype).bits < 32 else qg
-    s = jnp.einsum(f"{qa}kgd,{ka}lkd->{qa}kgl", q_in, k, preferred_element_type=jnp.float32) * scale
-    mask = mask[..., None, None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return jnp.einsum(f"{qa}kgl,{ka}lkd->{qa}kgd", p / jnp.where(denom > 0, denom, 1.0), v)
-
-
-def _paged_attention_rows(q, k_new, v_new, pool_pages, ki, b: StepBatch):
-    """Ragged paged attention for the XLA kernels, by rows instead of by tokens: the same result as
-    `ragged_paged_attention_reference` for every real token, without its per-token copy of the sequence's KV
-    ([Tb, L, Hkv, D], the cost of a mixed step on CPU).
-
-    Every row's last token attends to the row's pages ([Sb, L]: all a decode row has). The rows with several
-    tokens (prefill chunks) attend again as the padded block [Sp, Lb] of `gather_idx` and replace their tokens'
-    outputs (the layout `_gdn` uses): causally to the chunk's own keys and values `k_new`, `v_new` (no page
-    gather), after the context the row had before this step, read from its first Pc pages (`ctx_pages`). A
-    prompt prefilled in one step has no context (Pc = 0), so its attention costs Lb keys per query, not the
-    L = P·page_size of the whole block table. When Pc·page_size + Lb would reach L anyway, the engine passes the
-    whole table (Pc = P) and the chunk reads every key, its own included, from the pages."""
-    T, Hq, D = q.shape
-    _, _, PS, Hkv, _ = pool_pages.shape
-    Sb, P = b.page_indices.shape
-    G, L = Hq // Hkv, P * PS
-    scale = D ** -0.5
-    kv_dtype = pool_dtype(pool_pages)
-
-    def pages(table):  # [R, P'] page ids -> K [R, P'·PS, Hkv, D] (cache dtype), V (float32): gathers in the pool
-        R, n = table.shape
-        return (from_pool(pool_pages[ki, table], pool_pages).reshape(R, n * PS, Hkv, D),
-                from_pool(pool_pages[ki + 1, table], pool_pages).reshape(R, n * PS, Hkv, D).astype(jnp.float32))
-
-    k, v = pages(b.page_indices)
-    qf = q.astype(jnp.float32).reshape(T, Hkv, G, D)
-    key_pos = jnp.arange(L, dtype=jnp.int32)
-    live = jnp.arange(Sb) < b.num_seqs[0]
-    visible = (key_pos[None, :] < b.kv_lens[:, None]) & live[:, None]  # [Sb, L]
-    Sp, Lb = b.gather_idx.shape
-    Sv, K1 = b.spec_idx.shape
-    if b.verify_only.shape[0]:  # every row verifies drafts: the verify block below covers every token
-        o = jnp.zeros((T, Hkv, G, D), jnp.float32)
-    else:
-        o = _softmax_attend("s,s", qf[b.last_idx], k, v, visible, scale)[b.tok_row]  # [Tb, Hkv, G, D]
-    if Sp:
-        r = jnp.minimum(b.pf_rows, Sb - 1)
-        valid = b.gather_valid
-        j = jnp.arange(Lb)
-        Pc = b.ctx_pages.shape[1]
-        start = b.kv_lens[r] - jnp.sum(valid, axis=1)  # [Sp] tokens before the chunk
-        if Pc == P:  # the whole block table (cheaper than context + chunk): the chunk's K/V are in the pages too
-            keys, vals = pages(b.ctx_pages)
-            pos = start[:, None] + j[None, :]  # [Sp, Lb]
-            mask = (key_pos[None, None, :] <= pos[..., None]) & valid[..., None]  # [Sp, Lb, L]
-        else:
-            keys = k_new[b.gather_idx].astype(kv_dtype)  # [Sp, Lb, Hkv, D]: the chunk's own tokens
-            vals = v_new[b.gather_idx].astype(jnp.float32)
-            mask = (j[None, None, :] <= j[None, :, None]) & valid[:, None, :] & valid[:, :, None]  # [Sp, Lb, Lb]
-            if Pc:  # a chunk that continues a sequence: its earlier tokens from the first Pc pages come first
-                kc, vc = pages(b.ctx_pages)
-                ctx = (jnp.arange(Pc * PS)[None, None, :] < start[:, None, None]) & valid[..., None]  # [Sp, Lb, Pc·PS]
-                keys, vals = jnp.concatenate([kc, keys], axis=1), jnp.concatenate([vc, vals], axis=1)
-                mask = jnp.concatenate([ctx, mask], axis=-1)
-        o_pf = _softmax_attend("pj,p", qf[b.gather_idx], keys, vals, mask, scale)  # [Sp, Lb, Hkv, G, D]
-        o = jnp.where(b.tok_pf[:, None, None, None], o_pf[b.tok_prow, b.tok_col], o)
-    if Sv:  # verify rows (a speculative step): each token attends causally to its row's pages, itself included
-        r = jnp.minimum(b.spec_rows, Sb - 1)
-        mask = key_pos[None, None, :] <= b.positions[b.spec_idx][..., None]  # [Sv, K1, L]
-        o_sp = _softmax_attend("pj,p", qf[b.spec_idx], k[r], v[r], mask, scale)  # [Sv, K1, Hkv, G, D]
-        o = o.at[b.spec_idx.reshape(-1)].set(o_sp.reshape(Sv * K1, *o.shape[1:]), mode="drop")
-    return o.reshape(T, Hq, D).astype(q.dtype)
-
-
-def _attention(attn, x, b: StepBatch, pool, i):
-    """The attention mixer of attention layer i (of the model's attention layers) on the packed tokens x [Tb, H]:
-    the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
-    its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of
-    `paged_attention` over the block tables, the layer's own output gate and projection."""
-    q, k, v, gate = (t[0] for t in attn.project(x[None], b.positions))
-    C, NB, _ = pool.shape
-    Hkv, Dh = k.shape[1:]
-    PS = pool.shape[2] // (Hkv * Dh)
-    flat = pool.reshape(C, NB * PS, Hkv, Dh)  # free views of the pool: token slots, then pages
-    flat = flat.at[2 * i, b.slot_mapping].set(to_pool(k, pool)).at[2 * i + 1, b.slot_mapping].set(to_pool(v, pool))
-    pages = flat.reshape(C, NB, PS, Hkv, Dh)
-    o = paged_attention(attn.execution.kernels)(q, k, v, pages, 2 * i, b)  # [Tb, Hq, Dh]
-    return attn.output(o[None], gate[None], x.dtype)[0], pages.reshape(pool.shape)
-
-
-def _paged(gdn, pool) -> bool:
-    """Whether this GDN layer's decode rows run the paged kernel (states read and written in the pool by index):
-    the Pallas kernels on a pool whose units the kernel's 128-lane row view fits (`supports_paged_decode`)."""
-    if gdn.execution.kernels != "pallas":
-        return False
-    return supports_paged_decode(layout_of(gdn.config, pool))
-
-
-def _blocks_of(b: StepBatch, rows):
-    """The state blocks [n, NS] of `rows` [n] (a padding entry, row Sb, at NO_BLOCK: reads zeros, writes dropped)."""
-    Sb = b.state_blocks.shape[0]
-    return jnp.where((rows < Sb)[:, None], b.state_blocks[jnp.minimum(rows, Sb - 1)], NO_BLOCK)
-
-
-def _gdn(gdn, x, b: StepBatch, pool, j):
-    """The mixer of GDN layer j (of the model's GDN layers) on the packed tokens x [Tb, H]: the layer's own
-    projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
-    is reading and writing the rows' states in the pool and running the rules by rows (see the module
-    docstring)."""
-    Sb = b.state_blocks.shape[0]
-    Sp, Lb = b.gather_idx.shape
-    Sv, K1 = b.spec_idx.shape
-    mixed, z, a, bb = gdn.project(x)  # [Tb, conv_dim], [Tb, Hv, Dv], [Tb, Hv] x 2
-    g, beta = gdn.gates(a, bb)
-    fresh = b.fresh
-    paged = _paged(gdn, pool)
-
-    def fresh_of(rows):  # [n] whether each of `rows` starts from zero (Sb: padding)
-        return fresh[jnp.minimum(rows, Sb - 1)]
-
-    def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
-        return jnp.where(fresh_of(rows)[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, _blocks_of(b, rows)))
-
-    def conv_of(rows):  # the conv states [n, C, Kc] of `rows` [n] in the activations' dtype
-        return jnp.where(fresh_of(rows)[:, None, None], 0, read_conv(gdn.config, pool, j, _blocks_of(b, rows), x.dtype))
-
-    if paged:  # the kernel reads the decode rows' states itself; the dense rules get only the prefill and verify rows'
-        rec0, conv0 = None, None
-        s0, c_pf = (rec_of(b.pf_rows), conv_of(b.pf_rows)) if Sp else (None, None)
-        sv0, c_sv = (rec_of(b.spec_rows), conv_of(b.spec_rows)) if Sv else (None, None)
-        # every read of the pool before the kernel that updates it in place (else XLA would copy the pool)
-        c_pf, c_sv, s0, sv0, pool = jax.lax.optimization_barrier((c_pf, c_sv, s0, sv0, pool))
-    else:
-        conv0 = jnp.where(fresh[:, None, None], 0, read_conv(gdn.config, pool, j, b.state_blocks, x.dtype))
-        rec0 = jnp.where(fresh[:, None, None, None], 0.0, read_rec(gdn.config, pool, j, b.state_blocks))
-        pf, sv = jnp.minimum(b.pf_rows, Sb - 1), jnp.minimum(b.spec_rows, Sb - 1)
-        s0, c_pf = (rec0[pf], conv0[pf]) if Sp else (None, None)
-        sv0, c_sv = (rec0[sv], conv0[sv]) if Sv else (None, None)
-
-    if b.verify_only.shape[0]:  # every row verifies drafts: the single-token pass would be discarded
-        o = jnp.zeros((x.shape[0], gdn.num_v_heads, gdn.head_v_dim), x.dtype)
-    else:
-        o, pool = _gdn_rows(gdn, b, pool, j, x.dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged)
-    if Sv:  # verify rows: the single-token rule token by token, the state after each kept in its own group
-        conv, rec = c_sv, sv0
-        outs, convs, recs = [], [], []
-        for i in range(K1):
-            o_i, conv, rec = _gdn_token(gdn, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
-            outs.append(o_i.astype(x.dtype))
-            convs.append(conv)
-            recs.append(rec)
-        o = o.at[b.spec_idx.reshape(-1)].set(jnp.stack(outs, 1).reshape(Sv * K1, *o.shape[1:]), mode="drop")
-        flat = lambda t: jnp.stack(t, 1).reshape(Sv * K1, *t[0].shape[1:])  # noqa: E731
-        # one write for every group (after the rows' own write: group 0 is the row's state blocks)
-        pool = write_state(gdn.config, pool, j, b.spec_states.reshape(Sv * K1, -1), flat(convs), flat(recs))
-    return gdn.output(o, z), pool
-
-
-def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
-    """The single-token rule for the packed tokens `idx` [R] from states conv [R, C, Kc] and rec [R, Hv, Dk, Dv]:
-    (o [R, Hv, Dv] float32, new conv, new rec). With `kernels="pallas"`, conv update, gates and the recurrent
-    step in one kernel (the state read once and written once)."""
-    w = gdn.conv1d.weight[...]
-    if gdn.execution.kernels == "pallas":
-        return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
-                                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
-    y, conv = causal_conv1d_update(mixed[idx], w, conv)
-    q, k, v = gdn.heads(y)
-    o, rec = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec)
-    return o, conv, rec
-
-
-def _gdn_rows(gdn, b: StepBatch, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged: bool):
-    """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
-    the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
-    pool). conv0, rec0: every row's states; c_pf, s0: the prefill rows'. `paged`: the single-token step (conv
-    and rule) is the paged kernel, which reads and writes the rows' conv and recurrent states in the pool itself
-    (conv0 and rec0 are None; prefill rows excluded: their states come from the chunked rule)."""
-    Sb = b.state_blocks.shape[0]
-    Sp, Lb = b.gather_idx.shape
-    w = gdn.conv1d.weight[...]
-    Kc = w.shape[-1]
-    pallas = gdn.execution.kernels == "pallas"
-    if paged:
-        idx = b.last_idx
-        is_pf = jnp.zeros((Sb,), bool).at[b.pf_rows].set(True, mode="drop")
-        blocks = jnp.where(is_pf[:, None], NO_BLOCK, b.state_blocks)  # prefill rows: written after, from their chunk
-        o_dec, pool = paged_conv_gdn_decode(
-            mixed[idx], a[idx], bb[idx], w, gdn.A_log[...], gdn.dt_bias[...], pool, blocks, b.fresh, j,
-            layout_of(gdn.config, pool), num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim,
-            head_v_dim=gdn.head_v_dim)
-        conv_new = rec_new = None
-    else:
-        o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
-    o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
-    if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
-        c0 = c_pf  # padding entries (pf_rows = Sb) read zeros or any row; their writes are dropped
-        valid = b.gather_valid
-        xb = jnp.where(valid[..., None], mixed[b.gather_idx], 0)  # [Sp, Lb, C]
-        hist = jnp.concatenate([jnp.swapaxes(c0, 1, 2), xb], axis=1)  # [Sp, Kc + Lb, C]
-        take = jnp.sum(valid, axis=1)[:, None] + jnp.arange(Kc)[None, :]  # the last Kc real inputs
-        conv_pf = jnp.swapaxes(jnp.take_along_axis(hist, take[..., None], axis=1), 1, 2)
-        gb = jnp.where(valid[..., None], g[b.gather_idx], 0.0)
-        betab = jnp.where(valid[..., None], beta[b.gather_idx], 0.0)
-        if pallas:  # the conv fused into the chunked kernel (its output never in memory): the Sp rows back to back,
-            # Lb tokens each (padding steps are no-ops for the rule; the conv state comes from `take` above)
-            flat = lambda t: t.reshape(Sp * Lb, *t.shape[2:])  # noqa: E731
-            o_pf, rec_pf, _ = chunked_gdn_conv_packed(
-                flat(xb), w, flat(gb), flat(betab), jnp.arange(Sp + 1, dtype=jnp.int32) * Lb,
-                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, conv_state=c0, initial_state=s0,
-                use_qk_l2norm=True, chunk_size=max(gdn.chunk_for(), Kc))
-            o_pf = o_pf.reshape(Sp, Lb, gdn.num_v_heads, gdn.head_v_dim)
-        else:
-            yb, _ = causal_conv1d(xb, w, c0)
-            qb, kb, vb = gdn.heads(yb)
-            o_pf, rec_pf = chunk_gated_delta_rule(qb, kb, vb, gb, betab, chunk_size=gdn.chunk_for(),
-                                                  initial_state=s0)
-        if paged:  # the prefill rows' states, to their own blocks (padding entries at NO_BLOCK: dropped)
-            pool = write_state(gdn.config, pool, j, _blocks_of(b, b.pf_rows), conv_pf, rec_pf)
-        else:
-            conv_new = conv_new.at[b.pf_rows].set(conv_pf.astype(conv_new.dtype), mode="drop")
-            rec_new = rec_new.at[b.pf_rows].set(rec_pf, mode="drop")
-        o = jnp.where(b.tok_pf[:, None, None], o_pf.astype(dtype)[b.tok_prow, b.tok_col], o)
-    if paged:
-        return o, pool
-    return o, write_state(gdn.config, pool, j, b.state_blocks, conv_new, rec_new)
 
 
 def _layer(layer, h, pool, idx, b: StepBatch, routed_fn=None):
     """One decoder layer on the packed tokens h [Tb, H]: the model's own `DecoderLayer` (norms, residuals, MoE),
     its mixer run on the cache pool as layer `idx` of its kind. `routed_fn`: how the MoE sums its routed experts
     (None: the block's own path; on a mesh, the exchange)."""
-    h, pool, _ = layer(h[None], pool, None, mix=_pool_mix(layer.layer_type, b, idx), routed_fn=routed_fn)
+    h, pool, _ = layer(h[None], pool, None, mix=_pool_mix(b, idx), routed_fn=routed_fn)
     return h[0], pool
 
 
-def _pool_mix(layer_type: str, b: StepBatch, idx):
-    """A `DecoderLayer` `mix` that runs its mixer on the packed tokens over the cache pool, as layer `idx` of its
-    kind (x [1, Tb, H] -> ([1, Tb, H], pool))."""
+def _pool_mix(b: StepBatch, idx):
+    """A `DecoderLayer` `mix` that runs its mixer's paged call (`GatedAttention.paged`, `GatedDeltaNet.paged`) on the
+    packed tokens over the cache pool, as layer `idx` of its kind (x [1, Tb, H] -> ([1, Tb, H], pool))."""
     def mix(mixer, x, pool):
-        y, pool = _gdn(mixer, x[0], b, pool, idx) if layer_type == LINEAR else _attention(mixer, x[0], b, pool, idx)
+        y, pool = mixer.paged(x[0], pool, idx, b)
         return y[None], pool
     return mix
 
@@ -496,7 +249,7 @@ def _draft(dp: DraftParams, pool, b: StepBatch, x, out, counts, k: int, routed_f
 
     def run(hidden, ids, batch, pool, step):  # the MTP head's own call, its attention on the pool
         v, pool, _ = mtp(hidden.astype(dp.dtype)[None], dp.embed_tokens(ids, dp.dtype)[None], cache=pool, step=step,
-                         routed_fn=routed_fn, mix=_pool_mix(FULL, batch, dp.index))
+                         routed_fn=routed_fn, mix=_pool_mix(batch, dp.index))
         return mtp.norm(v[0]), pool
 
     def guess(hn):
