@@ -76,15 +76,16 @@ IMPLEMENTATION_WORDS = {
 OTHER_OPTIONS = {
     "activation", "attention", "attn_implementation", "axis_types", "dequantize_fp8", "desc", "description",
     "dtype", "enable_chunked_prefill", "expert_layout", "fp8", "fp8_experts", "hardware",
-    "hidden_act", "layout", "model", "mtp", "name", "normalize", "notes", "precision", "progress", "record_history",
+    "hidden_act", "layer_type", "layout", "model", "mtp", "name", "normalize", "notes", "precision", "progress", "record_history",
     "return_cache", "return_logits", "return_stats", "speculative", "split", "step", "use_qk_l2norm", "verify_only",
     "which", "zero_centred",
+    "fused",  # the engine's step as one program or one per layer: how many programs it compiles, not how an op runs
 }
 
 
 def _options() -> dict[str, set[str]]:
-    """Name -> where: every public parameter with a string or boolean default, and every class field with a string
-    default, in the package and its kernels."""
+    """Name -> where: every public parameter with a string or boolean default (or None, typed `bool | None` or
+    `str | None`), and every class field with a string default, in the package and its kernels."""
     found: dict[str, set[str]] = {}
     for name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -94,7 +95,11 @@ def _options() -> dict[str, set[str]]:
                 pairs = list(zip(pos[len(pos) - len(a.defaults):], a.defaults))
                 pairs += [(x, d) for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
                 for arg, d in pairs:
-                    if isinstance(d, ast.Constant) and isinstance(d.value, (str, bool)) and not arg.arg.startswith("_"):
+                    if arg.arg.startswith("_") or not isinstance(d, ast.Constant):
+                        continue
+                    optional = d.value is None and arg.annotation is not None and ast.unparse(arg.annotation) in (
+                        "bool | None", "str | None")  # a choice whose default is "decide for me"
+                    if isinstance(d.value, (str, bool)) or optional:
                         found.setdefault(arg.arg, set()).add(f"{name}.{node.name}")
             elif (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                   and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)):

@@ -343,8 +343,8 @@ def _ep_fn(mesh: Mesh, scheme: str, tok_axes, ex_axes, tp_axes, C, impl, hierarc
     return jax.jit(run)
 
 
-def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, hierarchical: bool | None = None,
-           gate_up_scale=None, down_scale=None, return_stats: bool = False):
+def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, gate_up_scale=None, down_scale=None,
+           return_stats: bool = False):
     """Expert-parallel (and/or tensor-parallel) routed-expert sum: the same `(x [N, H], weights [N, k],
     experts [N, k], gate_up [E, 2I, H], down [E, H, I]) -> y [N, H]` as `qwen35.moe.experts_*`, as a `shard_map`
     over `execution.mesh` (its rules `execution.rules`, default `LOGICAL_RULES`).
@@ -360,7 +360,7 @@ def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, hierarch
                    gathered token), else the grouped path (the gathered slots of this device's experts only; the
                    others sort past its groups and no matmul runs on them), on the grouped matmul + SwiGLU kernels
                    with `kernels="pallas"`. With two expert axes the all-gather and the reduce-scatter are
-                   hierarchical (`hierarchical=None` = auto).
+                   hierarchical (inner axis first, then outer).
       "alltoall"   capacity buffers [n, E/n, C, H], C = ceil(capacity_factor·t·k/E) (`execution.capacity`, default
                    1.25, capped at t), all_to_all, local experts, all_to_all back. Equal to "allgather" when nothing
                    is dropped (capacity_factor >= E/k guarantees it); otherwise each device drops its own slots past
@@ -395,13 +395,13 @@ def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, hierarch
                          "'ragged'; for the other paths pass the dequantised weights (Experts.dequantized)")
     act_block = ACT_BLOCK if ex.w8a8 and not fp8_tiles else None
     local = "dense" if ex.experts == "dense" else "pallas" if ex.pallas and act_block is None else "sorted"
-    return _exchange(x, weights, experts, gate_up, down, ex, local, hierarchical=hierarchical, interleaved=False,
+    return _exchange(x, weights, experts, gate_up, down, ex, local, interleaved=False,
                      act_block=act_block, scales=(gate_up_scale, down_scale) if fp8_tiles else None,
                      w8a8=ex.w8a8 and fp8_tiles, return_stats=return_stats)
 
 
-def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, hierarchical, interleaved,
-              act_block, scales, w8a8, return_stats=False, native=None):
+def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, interleaved, act_block, scales,
+              w8a8, return_stats=False, native=None):
     """`moe_ep` after its choices: `local` "sorted" | "dense" | "pallas" (the local experts' path), `interleaved`
     (gate_up's rows already regrouped for TP-MoE by `tp_interleave_gate_up`, as `shard_model` stores them),
     `native` (None: `lax.ragged_all_to_all` where the mesh's platform has it)."""
@@ -450,10 +450,7 @@ def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, 
         raise ShardingError(f"{N} tokens cannot be split over {_axes_desc(mesh, tok_axes)} = {n_tok} devices; pad "
                             f"the batch to a multiple of {n_tok}")
     t = N // n_tok
-    if hierarchical is None:
-        hierarchical = len(ex_axes) == 2
-    if hierarchical and len(ex_axes) != 2:
-        raise ShardingError(f"hierarchical collectives need exactly two expert axes (outer, inner), got {ex_axes}")
+    hierarchical = len(ex_axes) == 2  # two expert axes (chip x core): the inner one first, then the outer
     if scheme != "allgather" and not ex_axes:
         raise ShardingError(f"exchange {scheme!r} moves tokens between expert-parallel devices; with tensor-"
                             f"parallel experts only (no expert axis) use exchange 'allgather'")
@@ -494,48 +491,46 @@ def moe_on_mesh(block, x, weights, experts):
     ex = block.execution
     whole = not mesh_axes_for("expert_mlp", ex.mesh, LOGICAL_RULES if ex.rules is None else ex.rules)
     gate_up, down, scales, act, local, w8a8 = expert_operands(block, x.dtype, whole)
-    return _exchange(x, weights, experts, gate_up, down, ex, local, hierarchical=None, interleaved=not whole,
+    return _exchange(x, weights, experts, gate_up, down, ex, local, interleaved=not whole,
                      act_block=act, scales=scales or None, w8a8=w8a8)
 
 
-def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...], hierarchical: bool | None = None):
+def moe_ep_local(block, x, weights, experts, *, expert_axes: tuple[str, ...]):
     """`moe_on_mesh` as code that runs *inside* a `shard_map` over the mesh: what the serving engine's
     data-parallel step (`qwen35.serving.runner`, every device running its own rank's sequences) hands
     `SparseMoeBlock.__call__` as `routed_fn`. The same bodies as `moe_ep`'s exact exchanges
     (`block.execution.exchange` "allgather" or "ragged"), whose `shard_map` cannot nest inside the step's own.
 
     x [t, H], weights, experts [t, k]: this device's tokens; `block.experts` holds this device's E/n experts. The
-    tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes, by
-    default), each device sums its own experts' share (`expert_operands`: the execution's local path), and a
+    tokens and packed routing metadata are all-gathered over `expert_axes` (hierarchically for two axes), each
+    device sums its own experts' share (`expert_operands`: the execution's local path), and a
     reduce-scatter returns each device its own tokens' sums; or the ragged all-to-all's two trips. With no expert
     axis the experts are whole on every device and this is the block's own `routed`."""
     if not expert_axes:
         return block.routed(x, weights, experts)
     ex = block.execution
-    if hierarchical is None:
-        hierarchical = len(expert_axes) == 2
     if ex.exchange not in ("allgather", "ragged"):
         raise ValueError(f"moe_ep_local runs the exact exchanges 'allgather' and 'ragged', not {ex.exchange!r}")
-    gate_up, down, scales, act, local, w8a8 = expert_operands(block, x.dtype)
+    gate_up, down, scales, act, local, w8a8 = expert_operands(block, x.dtype, True)
     if ex.exchange == "ragged":
         y, _ = _ragged_body(x, weights, experts, gate_up, down, *scales, ex_axes=tuple(expert_axes), tp_axes=(),
                             native=native_ragged(ex.mesh), kernels=local == "pallas", act_block=act, w8a8=w8a8)
         return y
     y, _ = _allgather_body(x, pack_routing(experts, weights.astype(jnp.float32)), gate_up, down,
-                           ex_axes=tuple(expert_axes), tp_axes=(), impl=local, hierarchical=bool(hierarchical),
+                           ex_axes=tuple(expert_axes), tp_axes=(), impl=local, hierarchical=len(expert_axes) == 2,
                            chunks=1, act_block=act, scales=scales or None, w8a8=w8a8)
     return y
 
 
-def expert_operands(block, dtype, whole: bool | None = None):
+def expert_operands(block, dtype, whole: bool):
     """How a MoE block's local experts enter an exchange, as its `execution` says: (gate_up, down, scales,
     act_block, local path "sorted" | "dense" | "pallas", w8a8 in the kernels). On the kernels FP8 experts are read
     as stored, with their block scales (gate_up's, down's) and, with `w8a8`, FP8 x FP8 products; otherwise (or
-    `whole=False`: tensor-parallel experts, whose I/m slices split the 128x128 scale blocks) they are dequantised to
+    not `whole`: tensor-parallel experts, whose I/m slices split the 128x128 scale blocks) they are dequantised to
     `dtype`, and W8A8 is the XLA paths' activation rounding (`act_block`), which the kernels do not take."""
     ex = block.execution
     kernels = ex.pallas and ex.experts != "dense" and ex.exchange != "alltoall"
-    tiles = block.experts.fp8_tiles() if kernels and whole is not False else None
+    tiles = block.experts.fp8_tiles() if kernels and whole else None
     if tiles is not None:  # 1 byte a weight from HBM
         gate_up, down, *scales = tiles
         return gate_up, down, tuple(scales), None, "pallas", ex.w8a8
