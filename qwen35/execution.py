@@ -3,8 +3,8 @@
 The config says what the model computes (its sizes and math); an `Execution` says how: which kernels, which expert
 path, whether the experts' activations are FP8 too (W8A8), and on a device mesh the mesh, its rules table and the
 MoE's token exchange. It is given to the model when it is built (`Qwen35ForCausalLM(config, execution=...)`,
-`load_hf_checkpoint(path, execution=...)`) and when it is placed (`qwen35.sharding.shard_model(model, mesh,
-exchange=...)` builds the placed model with the same value plus the mesh); the serving engine reads the model's.
+`load_hf_checkpoint(path, execution=...)`) and when it is placed (`qwen35.sharding.shard_model(model, mesh)` builds the placed model with
+the same value, or the one given as `execution=`, plus the mesh); the serving engine reads the model's.
 
 Four words choose an implementation in the whole package, all of them fields of this value:
 

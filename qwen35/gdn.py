@@ -101,9 +101,10 @@ class GatedDeltaNet(nnx.Module):
     `__call__(x [B, T, H], state=None) -> (y [B, T, H], GDNState)`. With no state the layer starts from zeros;
     with a state, a single token takes the recurrent step (conv update + one delta-rule step) and anything longer
     takes the chunked rule from the cached state. The returned state continues the sequence.
-    `execution.kernels` picks the rule's implementation (the one dispatch, in `__call__`): "xla" runs the pure-JAX
-    conv and rules, "pallas" the Pallas kernels of `qwen35.kernels` (see `_pallas_mixer`). `paged(x, pool, j, b)` is
-    the same layer in the serving step, the rows' states read and written in the pool by block id.
+    `execution.kernels` picks the rule's implementation (`token_step` for one token, `__call__` for more): "xla"
+    runs the pure-JAX conv and rules, "pallas" the Pallas kernels of `qwen35.kernels` (`fused_gdn_decode`,
+    `_pallas_chunked`). `paged(x, pool, j, b)` is the same layer in the serving step, the rows' states read and
+    written in the pool by block id.
     """
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
@@ -146,26 +147,35 @@ class GatedDeltaNet(nnx.Module):
         mixed, z, a, b = self.project(x)
 
         w = self.conv1d.weight[...]
-        if self.execution.kernels == "pallas":
-            o, conv_state, rec = self._pallas_mixer(mixed, a, b, w, state)
-            return self.output(o, z), GDNState(conv=conv_state, recurrent=rec)
-        if state is not None and T == 1:
-            y, conv_state = causal_conv1d_update(mixed[:, 0], w, state.conv)
-            mixed = y[:, None]
+        if state is not None and T == 1:  # one decode token: the single-token step
+            o, conv_state, rec = self.token_step(mixed[:, 0], a[:, 0], b[:, 0], state.conv, state.recurrent)
+            o = o[:, None]
+        elif self.execution.kernels == "pallas":
+            o, conv_state, rec = self._pallas_chunked(mixed, a, b, w, state)
         else:
             mixed, conv_state = causal_conv1d(mixed, w, None if state is None else state.conv)
-
-        q, k, v = self.heads(mixed)
-        g, beta = self.gates(a, b)
-
-        init = None if state is None else state.recurrent
-        if state is not None and T == 1:
-            o, rec = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], init)
-            o = o[:, None]
-        else:
-            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(), initial_state=init)
-        o = o.astype(v.dtype)  # the rules return q's dtype (float32: normalised in it); back to the activations'
+            q, k, v = self.heads(mixed)
+            g, beta = self.gates(a, b)
+            o, rec = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_for(),
+                                            initial_state=None if state is None else state.recurrent)
+        o = o.astype(mixed.dtype)  # the rules return float32 (q is normalised in it); back to the activations'
         return self.output(o, z), GDNState(conv=conv_state, recurrent=rec)
+
+    def token_step(self, mixed, a, b, conv, rec):
+        """One token per row: mixed [R, conv_dim], a, b [R, Hv] (`project`'s) from states conv [R, conv_dim, Kc]
+        and rec [R, Hv, Dk, Dv] -> (o [R, Hv, Dv] float32, new conv, new rec). The conv update, gates and the
+        recurrent step, with `kernels="pallas"` in one kernel (`fused_gdn_decode`: the state read once and written
+        once). `__call__`'s decode and the serving step's single-token rows both run it."""
+        w = self.conv1d.weight[...]
+        if self.execution.kernels == "pallas":
+            return fused_gdn_decode(mixed, a, b, conv, rec, w, self.A_log[...], self.dt_bias[...],
+                                    num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+                                    head_v_dim=self.head_v_dim)
+        y, conv = causal_conv1d_update(mixed, w, conv)
+        q, k, v = self.heads(y)
+        g, beta = self.gates(a, b)
+        o, rec = gated_delta_rule_step(q, k, v, g, beta, rec)
+        return o, conv, rec
 
     def project(self, x: jax.Array):
         """The layer's input projections for x [..., H]: (mixed [..., conv_dim], the pre-conv q | k | v columns;
@@ -208,17 +218,11 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         return g, beta
 
-    def _pallas_mixer(self, mixed, a, b, w, state):
-        """kernels="pallas": a single decode token goes through `fused_gdn_decode` (conv update, gates and the
-        recurrent step in one kernel); anything longer through `chunked_gdn_conv_packed` (the causal conv fused
-        into the chunked rule: the conv's output never goes to memory; grouped heads read in place, no repeat).
-        Returns (o [B, T, Hv, Dv], conv_state, recurrent)."""
+    def _pallas_chunked(self, mixed, a, b, w, state):
+        """kernels="pallas", more than one token: `chunked_gdn_conv_packed` (the causal conv fused into the chunked
+        rule: the conv's output never goes to memory; grouped heads read in place, no repeat). Returns
+        (o [B, T, Hv, Dv], conv_state, recurrent)."""
         B, T, _ = mixed.shape
-        if state is not None and T == 1:
-            o, conv_state, rec = fused_gdn_decode(
-                mixed[:, 0], a[:, 0], b[:, 0], state.conv, state.recurrent, w, self.A_log[...], self.dt_bias[...],
-                num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
-            return o[:, None], conv_state, rec
         g, beta = self.gates(a, b)
         flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731  (B sequences of T, back to back)
         o, rec, conv_state = chunked_gdn_conv_packed(
@@ -233,8 +237,8 @@ class GatedDeltaNet(nnx.Module):
         the cache pool: (y [Tb, H], pool). `b` is the step's packed batch (a `qwen35.serving.runner.StepBatch`: the
         rows' state blocks, fresh flags, prefill and verify rows). The layer's own
         projections, gates, heads and output (`GatedDeltaNet.project / gates / heads / output`); what is the step's own
-        is reading and writing the rows' states in the pool and running the rules by rows (see the module
-        docstring)."""
+        is reading and writing the rows' states in the pool and running the rules by rows (see
+        `qwen35.serving.runner`'s module docstring)."""
         Sb = b.state_blocks.shape[0]
         Sp, Lb = b.gather_idx.shape
         Sv, K1 = b.spec_idx.shape
@@ -247,12 +251,14 @@ class GatedDeltaNet(nnx.Module):
             return fresh[jnp.minimum(rows, Sb - 1)]
 
         def rec_of(rows):  # the recurrent states [n, Hv, Dk, Dv] float32 of `rows` [n] (Sb: padding, reads zeros)
-            return jnp.where(fresh_of(rows)[:, None, None, None], 0.0, read_rec(self.config, pool, j, _blocks_of(b, rows)))
+            rec = read_rec(self.config, pool, j, _blocks_of(b, rows))
+            return jnp.where(fresh_of(rows)[:, None, None, None], 0.0, rec)
 
         def conv_of(rows):  # the conv states [n, C, Kc] of `rows` [n] in the activations' dtype
-            return jnp.where(fresh_of(rows)[:, None, None], 0, read_conv(self.config, pool, j, _blocks_of(b, rows), x.dtype))
+            conv = read_conv(self.config, pool, j, _blocks_of(b, rows), x.dtype)
+            return jnp.where(fresh_of(rows)[:, None, None], 0, conv)
 
-        if paged:  # the kernel reads the decode rows' states itself; the dense rules get only the prefill and verify rows'
+        if paged:  # the kernel reads the decode rows' states itself; the dense rules only the prefill and verify rows'
             rec0, conv0 = None, None
             s0, c_pf = (rec_of(b.pf_rows), conv_of(b.pf_rows)) if Sp else (None, None)
             sv0, c_sv = (rec_of(b.spec_rows), conv_of(b.spec_rows)) if Sv else (None, None)
@@ -273,7 +279,8 @@ class GatedDeltaNet(nnx.Module):
             conv, rec = c_sv, sv0
             outs, convs, recs = [], [], []
             for i in range(K1):
-                o_i, conv, rec = _gdn_token(self, b.spec_idx[:, i], mixed, a, bb, g, beta, conv, rec)
+                idx = b.spec_idx[:, i]
+                o_i, conv, rec = self.token_step(mixed[idx], a[idx], bb[idx], conv, rec)
                 outs.append(o_i.astype(x.dtype))
                 convs.append(conv)
                 recs.append(rec)
@@ -300,20 +307,6 @@ def _blocks_of(b, rows):
     return jnp.where((rows < Sb)[:, None], b.state_blocks[jnp.minimum(rows, Sb - 1)], NO_BLOCK)
 
 
-def _gdn_token(gdn, idx, mixed, a, bb, g, beta, conv, rec):
-    """The single-token rule for the packed tokens `idx` [R] from states conv [R, C, Kc] and rec [R, Hv, Dk, Dv]:
-    (o [R, Hv, Dv] float32, new conv, new rec). With `kernels="pallas"`, conv update, gates and the recurrent
-    step in one kernel (the state read once and written once)."""
-    w = gdn.conv1d.weight[...]
-    if gdn.execution.kernels == "pallas":
-        return fused_gdn_decode(mixed[idx], a[idx], bb[idx], conv, rec, w, gdn.A_log[...], gdn.dt_bias[...],
-                                num_k_heads=gdn.num_k_heads, head_k_dim=gdn.head_k_dim, head_v_dim=gdn.head_v_dim)
-    y, conv = causal_conv1d_update(mixed[idx], w, conv)
-    q, k, v = gdn.heads(y)
-    o, rec = gated_delta_rule_step(q, k, v, g[idx], beta[idx], rec)
-    return o, conv, rec
-
-
 def _gdn_rows(gdn, b, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, s0, paged: bool):
     """Every row's single-token rule on its last token (exact for decode rows), replaced for the prefill rows by
     the chunked rule over their padded block; the states written to the rows' state blocks: (o [Tb, Hv, Dv],
@@ -335,7 +328,8 @@ def _gdn_rows(gdn, b, pool, j, dtype, mixed, a, bb, g, beta, conv0, rec0, c_pf, 
             head_v_dim=gdn.head_v_dim)
         conv_new = rec_new = None
     else:
-        o_dec, conv_new, rec_new = _gdn_token(gdn, b.last_idx, mixed, a, bb, g, beta, conv0, rec0)
+        idx = b.last_idx
+        o_dec, conv_new, rec_new = gdn.token_step(mixed[idx], a[idx], bb[idx], conv0, rec0)
     o = o_dec.astype(dtype)[b.tok_row]  # [Tb, Hv, Dv] (the rules return float32: q is normalised in it)
     if Sp:  # rows with several tokens (prefill chunks): a padded [Sp, Lb] block, padded steps made no-ops
         c0 = c_pf  # padding entries (pf_rows = Sb) read zeros or any row; their writes are dropped

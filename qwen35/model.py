@@ -106,8 +106,8 @@ class Qwen35ForCausalLM(nnx.Module):
     """Qwen3.5-MoE causal LM (text). See the module docstring for the API.
 
     `dtype` is the activation dtype (default: the parameters' dtype); the GDN core, router, norms and softmax
-    run in float32 regardless. `fp8_experts` stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`; what `load_hf_checkpoint(...,
-    fp8="keep")` builds for an FP8 checkpoint).
+    run in float32 regardless. `fp8_experts` stores the routed experts as block-scaled FP8 (`qwen35.moe.Experts`;
+    what `load_hf_checkpoint(..., fp8="keep")` builds for an FP8 checkpoint).
 
     `mtp=True` adds the checkpoint's multi-token-prediction head (`self.mtp`, a `qwen35.mtp.MultiTokenPredictor`;
     `config.mtp_num_hidden_layers` layers), run by `mtp_logits`; the decoder never runs it.

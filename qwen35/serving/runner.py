@@ -8,10 +8,10 @@ MoE), each mixer's own projections and output (`GatedAttention.project / output`
 `GatedAttention.paged` and `GatedDeltaNet.paged` (given the pool and the step's packed batch); this module packs
 the batch, picks the programs and jits them:
 
-  attention mixer:  K/V scattered into the layer's pages of the pool at `slot_mapping` (every token at its own position), then ragged
-                    paged attention over the block tables (the Pallas kernel of `qwen35.kernels` when
-                    `execution.kernels == "pallas"`, else `attention._paged_attention_rows`: the reference's result, computed
-                    by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
+  attention mixer:  K/V scattered into the layer's pages of the pool at `slot_mapping` (every token at its own
+                    position), then ragged paged attention over the block tables (the Pallas kernel of
+                    `qwen35.kernels` when `execution.kernels == "pallas"`, else `attention._paged_attention_rows`:
+                    the reference's result, computed by rows as the GDN mixer below is; a prefill chunk attends to its own fresh K/V plus, only if it
                     continues a sequence, the context pages before it)
   GDN mixer:        the rows' states read from their state blocks in the pool (`qwen35.pool.read_state`: only this
                     layer's units), for every row `causal_conv1d_update` + `gated_delta_rule_step` on its last

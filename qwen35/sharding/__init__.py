@@ -44,8 +44,9 @@ One topic a module, every public name re-exported here: `mesh` (meshes, the rule
 from qwen35.sharding.mesh import (LOGICAL_RULES, PARAM_LOGICAL_AXES, ShardingError, check_mesh, logical_to_spec,
                                   make_mesh, mesh_axes_for, param_logical_axes, rules_with)
 from qwen35.sharding.exchange import (EPStats, balanced_expert_placement, hierarchical_all_gather,
-                                      hierarchical_psum_scatter, moe_ep, moe_ep_local, moe_on_mesh, pack_routing, ragged_all_to_all_padded, tp_deinterleave_gate_up,
-                                      tp_interleave_gate_up, unpack_routing)
+                                      hierarchical_psum_scatter, moe_ep, moe_ep_local, moe_on_mesh, pack_routing,
+                                      ragged_all_to_all_padded, tp_deinterleave_gate_up, tp_interleave_gate_up,
+                                      unpack_routing)
 from qwen35.sharding.placement import (PlacedLM, cache_specs, checkpoint_shardings, load_sharded, param_specs,
                                        placed_abstract, shard_model)
 from qwen35.sharding.accounting import (decode_step_lowering, hlo_collective_bytes, memory_plan, moe_comm_bytes,

@@ -199,9 +199,9 @@ def decode_step_lowering(config: Qwen35Config, mesh, batch: int, max_len: int, *
                          execution: Execution = Execution(), param_dtype=jnp.bfloat16,
                          platforms: Sequence[str] | None = ("tpu",), rules=LOGICAL_RULES):
     """Lower (not run) one decode step (T = 1, cache of `max_len`) of `config`'s model placed as `shard_model`
-    would place it with `execution` (plus the mesh), from shapes alone: the model from `nnx.eval_shape`, parameters and cache as `jax.ShapeDtypeStruct`s
-    with their shardings on `mesh` (a `Mesh` or an `AbstractMesh`). Nothing is allocated, so the 397B model works
-    on a laptop. `platforms` ("tpu",) exports with `jax.export` (the TPU lowering rules apply); None lowers with
+    would place it with `execution` (plus the mesh), from shapes alone: the model from `nnx.eval_shape`,
+    parameters and cache as `jax.ShapeDtypeStruct`s with their shardings on `mesh` (a `Mesh` or an
+    `AbstractMesh`). Nothing is allocated, so the 397B model works on a laptop. `platforms` ("tpu",) exports with `jax.export` (the TPU lowering rules apply); None lowers with
     `jax.jit(...).lower` for the local backend. Returns the `jax.export.Exported` or `jax.stages.Lowered`."""
     from flax import nnx
 

@@ -394,17 +394,23 @@ def moe_ep(x, weights, experts, gate_up, down, execution: Execution, *, gate_up_
                          "stored by the kernels (Execution(kernels='pallas')) in the exchanges 'allgather' and "
                          "'ragged'; for the other paths pass the dequantised weights (Experts.dequantized)")
     act_block = ACT_BLOCK if ex.w8a8 and not fp8_tiles else None
-    local = "dense" if ex.experts == "dense" else "pallas" if ex.pallas and act_block is None else "sorted"
-    return _exchange(x, weights, experts, gate_up, down, ex, local, interleaved=False,
+    return _exchange(x, weights, experts, gate_up, down, ex, _local_path(ex, act_block), interleaved=False,
                      act_block=act_block, scales=(gate_up_scale, down_scale) if fp8_tiles else None,
                      w8a8=ex.w8a8 and fp8_tiles, return_stats=return_stats)
 
 
+def _local_path(ex: Execution, act_block) -> str:
+    """The local experts' path in an exchange: "dense", the kernels ("pallas"; not with the XLA paths' W8A8
+    rounding `act_block`, and not in the all-to-all, whose capacity buffers run their own), or "sorted"."""
+    if ex.experts == "dense":
+        return "dense"
+    return "pallas" if ex.pallas and act_block is None and ex.exchange != "alltoall" else "sorted"
+
+
 def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, interleaved, act_block, scales,
-              w8a8, return_stats=False, native=None):
-    """`moe_ep` after its choices: `local` "sorted" | "dense" | "pallas" (the local experts' path), `interleaved`
-    (gate_up's rows already regrouped for TP-MoE by `tp_interleave_gate_up`, as `shard_model` stores them),
-    `native` (None: `lax.ragged_all_to_all` where the mesh's platform has it)."""
+              w8a8, return_stats=False):
+    """`moe_ep` after its choices: `local` (`_local_path`), `interleaved` (gate_up's rows already regrouped for
+    TP-MoE by `tp_interleave_gate_up`, as `shard_model` stores them)."""
     mesh, scheme, chunks = ex.mesh, ex.exchange, ex.moe_chunks
     rules = LOGICAL_RULES if ex.rules is None else ex.rules
     fp8_tiles = scales is not None
@@ -466,7 +472,6 @@ def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, 
             raise ValueError("exchange 'ragged' receives rows grouped by expert and runs the grouped SwiGLU on them: "
                              "use experts='sorted'")
         C = None
-        native = native_ragged(mesh) if native is None else native
     else:
         C = None
         if t % chunks:
@@ -475,7 +480,7 @@ def _exchange(x, weights, experts, gate_up, down, ex: Execution, local: str, *, 
         raise ShardingError("FP8 experts read as stored need whole experts per device: with tensor-parallel experts "
                             "(an 'expert_mlp' axis) pass the dequantised weights")
     f = _ep_fn(mesh, scheme, tok_axes, ex_axes, tp_axes, C, local, bool(hierarchical), int(chunks),
-               not interleaved, bool(native), act_block, fp8_tiles, bool(w8a8))
+               not interleaved, scheme == "ragged" and native_ragged(mesh), act_block, fp8_tiles, bool(w8a8))
     scales = tuple(jnp.asarray(a) for a in scales) if fp8_tiles else ()
     y, dropped = f(x, weights, experts.astype(jnp.int32), gate_up, down, *scales)
     if not return_stats:
@@ -529,15 +534,13 @@ def expert_operands(block, dtype, whole: bool):
     not `whole`: tensor-parallel experts, whose I/m slices split the 128x128 scale blocks) they are dequantised to
     `dtype`, and W8A8 is the XLA paths' activation rounding (`act_block`), which the kernels do not take."""
     ex = block.execution
-    kernels = ex.pallas and ex.experts != "dense" and ex.exchange != "alltoall"
-    tiles = block.experts.fp8_tiles() if kernels and whole else None
+    tiles = block.experts.fp8_tiles() if whole and _local_path(ex, None) == "pallas" else None
     if tiles is not None:  # 1 byte a weight from HBM
         gate_up, down, *scales = tiles
         return gate_up, down, tuple(scales), None, "pallas", ex.w8a8
     gate_up, down = block.experts.dequantized(dtype)
     act = ACT_BLOCK if ex.w8a8 else None
-    local = "dense" if ex.experts == "dense" else "pallas" if kernels and act is None else "sorted"
-    return gate_up, down, (), act, local, False
+    return gate_up, down, (), act, _local_path(ex, act), False
 
 
 # ------------------------------------------------------------------------------------------------------------
