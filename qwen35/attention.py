@@ -518,9 +518,9 @@ class GatedAttention(nnx.Module):
         """This layer as attention layer i (of the model's attention layers) of a serving step, on its packed tokens
         x [Tb, H] over the cache pool: (y [Tb, H], pool). `b` is the step's packed batch (a
         `qwen35.serving.runner.StepBatch`: positions, slot mapping, block tables, the prefill and verify rows). The
-        the layer's own projections (`GatedAttention.project`, every token at its own position), K/V scattered into
-        its pages of the pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of
-        `paged_attention` over the block tables, the layer's own output gate and projection."""
+        layer's own projections (`project`, every token at its own position), K/V scattered into its pages of the
+        pool (units 2i and 2i + 1) at `slot_mapping`, the ragged paged attention of `_paged_attend` over the block
+        tables, the layer's own output gate and projection."""
         q, k, v, gate = (t[0] for t in self.project(x[None], b.positions))
         C, NB, _ = pool.shape
         Hkv, Dh = k.shape[1:]
